@@ -1,0 +1,92 @@
+"""Splitting one controller's devices into M learner meshes plus a CPU syncer mesh.
+
+Single-controller, Pathways-style: one process sees every device and carves it into disjoint learner
+meshes (a TPU slice, a GPU host or a few fake CPU devices each) and a syncer mesh of CPU devices. On a
+CPU-only box learners and syncer share the fake host devices; on TPU or GPU the syncer takes the host's
+CPU devices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+LEARNER_AXES = ("data", "model")
+SYNCER_AXIS = "learner"
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def request_fake_cpu_devices(count: int) -> None:
+  """Asks XLA for `count` host devices. Must run before JAX initialises its backends."""
+  if count <= 0:
+    return
+  if _backends_initialised():
+    have = len(jax.devices("cpu"))
+    if have < count:
+      raise ValueError(
+          f"config.devices.num_fake_cpu_devices={count} but JAX already started with {have} CPU "
+          f"devices; set XLA_FLAGS={_COUNT_FLAG}={count} before JAX initialises")
+    return
+  flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+  os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
+
+
+def _backends_initialised() -> bool:
+  # jax keeps its backends in xla_bridge; asking jax.devices() would initialise them.
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def build_meshes(
+    learner_mesh_shapes: tuple[tuple[int, int], ...],
+    syncer_devices: int,
+    platform: str = "cpu",
+) -> tuple[list[Mesh], Mesh | None]:
+  """Partitions the devices into learner meshes (data, model) and a syncer mesh (learner,).
+
+  Learners take consecutive devices of `platform` in order; the syncer takes the CPU devices that
+  follow them (on a CPU-only run) or the first CPU devices (on TPU / GPU, where the host CPUs are
+  separate from the accelerators).
+  """
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError as err:
+    raise ValueError(f"config.devices.platform={platform!r}: no such devices here ({err})") from err
+  needed = sum(d * m for d, m in learner_mesh_shapes)
+  cpu_shared = platform == "cpu"
+  total_needed = needed + (syncer_devices if cpu_shared else 0)
+  if total_needed > len(devices):
+    raise ValueError(
+        f"config.learner_mesh_shapes={learner_mesh_shapes} (+ config.syncer.num_devices="
+        f"{syncer_devices} on CPU) need {total_needed} {platform} devices but only {len(devices)} "
+        f"exist; raise config.devices.num_fake_cpu_devices or shrink the meshes")
+  learner_meshes = []
+  start = 0
+  for data_axis, model_axis in learner_mesh_shapes:
+    chunk = devices[start:start + data_axis * model_axis]
+    learner_meshes.append(Mesh(np.array(chunk).reshape(data_axis, model_axis), LEARNER_AXES))
+    start += data_axis * model_axis
+  syncer_mesh = None
+  if syncer_devices:
+    if cpu_shared:
+      syncer_chunk = devices[start:start + syncer_devices]
+    else:
+      cpus = jax.devices("cpu")
+      if syncer_devices > len(cpus):
+        raise ValueError(
+            f"config.syncer.num_devices={syncer_devices} but this host has {len(cpus)} CPU "
+            f"devices; lower it or raise config.devices.num_fake_cpu_devices")
+      syncer_chunk = cpus[:syncer_devices]
+    syncer_mesh = Mesh(np.array(syncer_chunk), (SYNCER_AXIS,))
+  return learner_meshes, syncer_mesh
+
+
+def single_device_mesh(mesh: Mesh) -> Mesh:
+  """A (1, 1) learner-style mesh on the first device of `mesh`: evaluates the syncer's global model
+  where it lives, without touching any learner's devices."""
+  return Mesh(np.array(mesh.devices.flat[:1]).reshape(1, 1), LEARNER_AXES)

@@ -1,0 +1,192 @@
+"""The inner optimizer of a learner and its jitted train and eval steps.
+
+Each learner runs ordinary data-parallel (+ optional tensor-parallel) AdamW training on its own mesh
+(DiLoCo, arXiv 2311.08105, Algorithm 1, inner loop). The steps are compiled with explicit in/out
+shardings on that mesh, so a learner's program never touches another learner's devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from decoupled_diloco import model
+
+
+class TrainState(NamedTuple):
+  """What one learner carries from inner step to inner step."""
+
+  params: dict[str, jax.Array]  # Flat, keyed like `model.init_params`.
+  opt_state: optax.OptState
+  step: jax.Array  # int32 scalar: inner steps taken.
+
+
+_INNER_FIELDS = ("learning_rate", "warmup_steps", "final_lr_fraction", "weight_decay",
+                 "b1", "b2", "eps", "grad_clip_norm")
+
+
+def _validated(cfg: ml_collections.ConfigDict, total_steps: int) -> dict[str, Any]:
+  """Reads and checks `config.inner`; every error names the offending field."""
+  missing = [f for f in _INNER_FIELDS if f not in cfg]
+  if missing:
+    raise ValueError(f"config.inner.{missing[0]} is missing (needs {list(_INNER_FIELDS)})")
+  v = {f: cfg[f] for f in _INNER_FIELDS}
+  for f in _INNER_FIELDS:
+    if isinstance(v[f], bool) or not isinstance(v[f], (int, float)):
+      raise ValueError(f"config.inner.{f}={v[f]!r} must be a number")
+  if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+    raise ValueError(f"total_steps={total_steps!r} must be a positive integer")
+  if not v["learning_rate"] > 0:
+    raise ValueError(f"config.inner.learning_rate={v['learning_rate']} must be > 0")
+  if not isinstance(v["warmup_steps"], int) or not 0 <= v["warmup_steps"] < total_steps:
+    raise ValueError(
+        f"config.inner.warmup_steps={v['warmup_steps']!r} must be an integer in "
+        f"[0, total_steps={total_steps})"
+    )
+  if not 0.0 <= v["final_lr_fraction"] <= 1.0:
+    raise ValueError(f"config.inner.final_lr_fraction={v['final_lr_fraction']} must be in [0, 1]")
+  if not v["weight_decay"] >= 0:
+    raise ValueError(f"config.inner.weight_decay={v['weight_decay']} must be >= 0")
+  for f in ("b1", "b2"):
+    if not 0.0 <= v[f] < 1.0:
+      raise ValueError(f"config.inner.{f}={v[f]} must be in [0, 1)")
+  if not v["eps"] > 0:
+    raise ValueError(f"config.inner.eps={v['eps']} must be > 0")
+  if not v["grad_clip_norm"] >= 0:
+    raise ValueError(f"config.inner.grad_clip_norm={v['grad_clip_norm']} must be >= 0 (0 = off)")
+  return v
+
+
+def make_learning_rate_schedule(cfg: ml_collections.ConfigDict, total_steps: int
+                                ) -> optax.Schedule:
+  """Linear warmup 0 -> lr over `warmup_steps`, then cosine to lr * final_lr_fraction at `total_steps`."""
+  v = _validated(cfg, total_steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=v["learning_rate"],
+      warmup_steps=v["warmup_steps"],
+      decay_steps=total_steps,  # optax counts the warmup inside decay_steps.
+      end_value=v["learning_rate"] * v["final_lr_fraction"],
+  )
+
+
+def make_inner_optimizer(cfg: ml_collections.ConfigDict, total_steps: int
+                         ) -> optax.GradientTransformation:
+  """AdamW on the warmup-cosine schedule, after global-norm clipping when grad_clip_norm > 0."""
+  v = _validated(cfg, total_steps)
+  adamw = optax.adamw(
+      learning_rate=make_learning_rate_schedule(cfg, total_steps),
+      b1=v["b1"], b2=v["b2"], eps=v["eps"], weight_decay=v["weight_decay"],
+  )
+  if v["grad_clip_norm"] > 0:
+    return optax.chain(optax.clip_by_global_norm(v["grad_clip_norm"]), adamw)
+  return adamw
+
+
+def _replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def _opt_state_shardings(opt_state: Any, mesh: Mesh,
+                         param_shardings: dict[str, NamedSharding]) -> Any:
+  """Moments shard like their parameters; counters and other scalars are replicated.
+
+  Optax keeps per-parameter statistics (AdamW's mu, nu) as trees with the params' structure, so a
+  dict with exactly the parameter names is a parameter-shaped subtree. This needs no handle on the
+  transform and so works for any state shaped like the inner optimizer's (restored ones included).
+  """
+  names = param_shardings.keys()
+
+  def is_param_tree(x: Any) -> bool:
+    return isinstance(x, dict) and x.keys() == names
+
+  def sharding_of(x: Any) -> Any:
+    return dict(param_shardings) if is_param_tree(x) else _replicated(mesh)
+
+  return jax.tree.map(sharding_of, opt_state, is_leaf=is_param_tree)
+
+
+def train_state_shardings(state: TrainState, mesh: Mesh,
+                          param_shardings: dict[str, NamedSharding]) -> TrainState:
+  """A TrainState-shaped tree of NamedShardings; `state` may be concrete or abstract."""
+  return TrainState(
+      params=dict(param_shardings),
+      opt_state=_opt_state_shardings(state.opt_state, mesh, param_shardings),
+      step=_replicated(mesh),
+  )
+
+
+def init_train_state(params: dict[str, jax.Array], tx: optax.GradientTransformation,
+                     mesh: Mesh, param_shardings: dict[str, NamedSharding]) -> TrainState:
+  """Fresh optimizer state, created directly in the parameters' layout on `mesh`."""
+  abstract_opt_state = jax.eval_shape(tx.init, params)
+  opt_shardings = _opt_state_shardings(abstract_opt_state, mesh, param_shardings)
+  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), _replicated(mesh))
+  return TrainState(params=params, opt_state=opt_state, step=step)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """[B, L] token batches: batch split over "data" (the "batch" logical rule), length whole."""
+  return NamedSharding(mesh, model.logical_to_mesh_spec(("batch", None)))
+
+
+def _batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+  return {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
+
+
+def _mean_loss(graphdef: nnx.GraphDef, params: dict[str, jax.Array],
+               batch: dict[str, jax.Array]) -> jax.Array:
+  logits_BxLxV = model.apply(graphdef, params, batch["inputs"])
+  return jnp.mean(model.cross_entropy(logits_BxLxV, batch["targets"]))
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh,
+                    state_shardings: TrainState
+                    ) -> Callable[[TrainState, dict[str, Any]], tuple[TrainState, dict[str, jax.Array]]]:
+  """Jitted (state, batch) -> (new_state, {"loss", "grad_norm"}) on `mesh`.
+
+  loss is the mean next-token cross-entropy in nats; grad_norm is measured before clipping. The
+  state is deliberately not donated: the runtime keeps the previous parameter arrays alive as
+  consistent snapshots for the syncer to pull.
+  """
+
+  def train_step(state: TrainState, batch: dict[str, jax.Array]
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    loss, grads = jax.value_and_grad(_mean_loss, argnums=1)(graphdef, state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+  replicated = _replicated(mesh)
+  return jax.jit(
+      train_step,
+      in_shardings=(state_shardings, _batch_shardings(mesh)),
+      out_shardings=(state_shardings, {"loss": replicated, "grad_norm": replicated}),
+  )
+
+
+def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
+                   param_shardings: dict[str, NamedSharding]
+                   ) -> Callable[[dict[str, jax.Array], dict[str, Any]], tuple[jax.Array, jax.Array]]:
+  """Jitted (params, batch) -> (sum of nats, number of tokens), to be summed over eval batches."""
+
+  def eval_step(params: dict[str, jax.Array], batch: dict[str, jax.Array]
+                ) -> tuple[jax.Array, jax.Array]:
+    logits_BxLxV = model.apply(graphdef, params, batch["inputs"])
+    nats_BxL = model.cross_entropy(logits_BxLxV, batch["targets"])
+    return jnp.sum(nats_BxL), jnp.asarray(nats_BxL.size, jnp.int32)
+
+  replicated = _replicated(mesh)
+  return jax.jit(
+      eval_step,
+      in_shardings=(dict(param_shardings), _batch_shardings(mesh)),
+      out_shardings=(replicated, replicated),
+  )

@@ -1,0 +1,203 @@
+"""Merge the learners' outer gradients of one fragment into one update (spec §5).
+
+All functions are pure ``jnp`` code over pytrees, jittable, and work on a STACKED learner axis: the
+outer gradients of M learners for one fragment are ``{name: array[M, ...]}`` and their weights
+``w_M``. A learner that is absent from a round simply has weight 0 and changes nothing.
+
+Everything is computed in float32 whatever the input dtype (spec §5: "accumulate in fp32"). Norms
+are taken over a whole tensor, not per row. Divisions by a weight sum or a norm that may be 0 go
+through ``jnp.where`` on both sides, so neither the value nor its gradient ever becomes NaN under
+jit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+WEIGHTINGS = ("tokens_sq_over_steps", "tokens", "uniform")
+MERGE_RULES = ("rda", "average")
+
+PyTree = Any
+
+
+def learner_weights(tokens_M, steps_M, rule: str = "tokens_sq_over_steps") -> jax.Array:
+  """Per-learner merge weight from the counters accumulated since the fragment was last received.
+
+  ``tokens_sq_over_steps`` (the paper's "quantity x quality"):
+    w_m = c_tokens[m] * (c_tokens[m] / c_steps[m]) = c_tokens[m]^2 / c_steps[m],
+  i.e. the tokens seen, times the tokens per step (a learner with a larger batch takes better
+  steps).
+  ``tokens``: w_m = c_tokens[m]. ``uniform``: w_m = 1.
+
+  Every rule gives 0 to a learner with no steps (it has nothing to contribute) and the token rules
+  also to one with no tokens.
+  """
+  if rule not in WEIGHTINGS:
+    raise ValueError(f"config.merge.weighting={rule!r} must be one of {WEIGHTINGS}")
+  tokens_M = jnp.asarray(tokens_M, jnp.float32)
+  steps_M = jnp.asarray(steps_M, jnp.float32)
+  stepped_M = steps_M > 0
+  if rule == "uniform":
+    return stepped_M.astype(jnp.float32)
+  valid_M = stepped_M & (tokens_M > 0)
+  if rule == "tokens":
+    return jnp.where(valid_M, tokens_M, 0.0)
+  # tokens * (tokens / steps) rather than tokens**2 / steps: same value, but the square of a large
+  # token count is never formed.
+  safe_steps_M = jnp.where(valid_M, steps_M, 1.0)
+  return jnp.where(valid_M, tokens_M * (tokens_M / safe_steps_M), 0.0)
+
+
+def outer_gradient(anchor: PyTree, local: PyTree) -> PyTree:
+  """Δ = anchor - θ_local, leaf by leaf, in float32.
+
+  The anchor is the global value the learner started from (spec §5); Δ points from where the learner
+  ended back to where it began, so it is used as a *gradient* by the outer optimizer.
+  """
+  return jax.tree.map(
+      lambda a, x: jnp.asarray(a, jnp.float32) - jnp.asarray(x, jnp.float32), anchor, local
+  )
+
+
+def _safe_div(num, den):
+  """num / den, and 0 where den == 0 (no NaN in the value or its gradient)."""
+  nonzero = den != 0
+  return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
+
+
+def _norm(x) -> jax.Array:
+  """Euclidean norm over the whole array, with a finite gradient at 0."""
+  sq = jnp.sum(jnp.square(x))
+  positive = sq > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+
+
+def _norms_M(x_MxN) -> jax.Array:
+  """Per-learner norms over everything but the leading learner axis."""
+  return jax.vmap(_norm)(x_MxN)
+
+
+def _unit(x):
+  """φ(x) = x / ‖x‖, with φ(0) = 0."""
+  return _safe_div(x, _norm(x))
+
+
+def _weighted_sum(w_M, x_MxN):
+  # An explicit multiply-and-sum rather than a tensordot: on TPU a float32 matmul may run at bf16
+  # precision by default, and these sums are the very values the outer step is applied with.
+  w = w_M.reshape(w_M.shape + (1,) * (x_MxN.ndim - 1))
+  return jnp.sum(w * x_MxN, axis=0)
+
+
+def _stacked_f32(delta_MxN: PyTree, w_M) -> tuple[PyTree, jax.Array]:
+  return (
+      jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), delta_MxN),
+      jnp.asarray(w_M, jnp.float32),
+  )
+
+
+def weighted_average(delta_MxN: PyTree, w_M) -> PyTree:
+  """Δ = Σ_m w_m Δ_m / Σ_m w_m over the leading learner axis of every leaf; 0 when Σ w = 0.
+
+  Used for the token-embedding fragment (spec §5), and as the "plain averaging" baseline.
+  """
+  delta_MxN, w_M = _stacked_f32(delta_MxN, w_M)
+  w_sum = jnp.sum(w_M)
+  return jax.tree.map(lambda x: _safe_div(_weighted_sum(w_M, x), w_sum), delta_MxN)
+
+
+def _rda_leaf(x_MxN, w_M):
+  w_sum = jnp.sum(w_M)
+  radius = _safe_div(jnp.sum(w_M * _norms_M(x_MxN)), w_sum)
+  direction = _safe_div(_weighted_sum(w_M, jax.vmap(_unit)(x_MxN)), w_sum)
+  return radius * _unit(direction)
+
+
+def rda(delta_MxN: PyTree, w_M) -> PyTree:
+  """Radial-Directional Averaging, per tensor (spec §5):
+
+    Δ = (Σ_m w_m ‖Δ_m‖ / Σ_m w_m) · φ(Σ_m w_m φ(Δ_m) / Σ_m w_m),   φ(x) = x / ‖x‖, φ(0) = 0.
+
+  The length is the weighted mean of the learners' lengths and the direction is the normalised
+  weighted mean of their directions. Outer gradients of different learners are nearly orthogonal, so
+  a plain mean shrinks like 1/√M and the outer learning rate would need retuning whenever M changes;
+  RDA keeps the merged norm independent of M. All weights 0 gives a zero update.
+  """
+  delta_MxN, w_M = _stacked_f32(delta_MxN, w_M)
+  return jax.tree.map(lambda x: _rda_leaf(x, w_M), delta_MxN)
+
+
+class RdaTerms(NamedTuple):
+  """One learner's additive contribution to RDA.
+
+  Summed over the learners, the terms finish with ``rda_from_terms``: RDA is an all-reduce (or a
+  running sum on the syncer) of these terms, so the syncer never needs all M outer gradients at
+  once.
+
+  Attributes:
+    w_norm: w · ‖Δ‖ per tensor (a pytree of scalars).
+    w_phi: w · φ(Δ) per tensor (a pytree shaped like Δ).
+    w: the learner's weight (a scalar).
+  """
+
+  w_norm: PyTree
+  w_phi: PyTree
+  w: jax.Array
+
+
+def rda_terms(delta_N: PyTree, w) -> RdaTerms:
+  """The terms (w‖Δ‖, w φ(Δ), w) of ONE learner with outer gradient ``delta_N`` and weight ``w``."""
+  w = jnp.asarray(w, jnp.float32)
+  delta_N = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), delta_N)
+  return RdaTerms(
+      w_norm=jax.tree.map(lambda x: w * _norm(x), delta_N),
+      w_phi=jax.tree.map(lambda x: w * _unit(x), delta_N),
+      w=w,
+  )
+
+
+def add_rda_terms(a: RdaTerms, b: RdaTerms) -> RdaTerms:
+  """Sum of two learners' (or partial sums of) RDA terms."""
+  return jax.tree.map(jnp.add, a, b)
+
+
+def rda_from_terms(sum_terms: RdaTerms) -> PyTree:
+  """Finish RDA from terms summed over the learners:
+
+    Δ = (Σ w‖Δ‖ / Σ w) · φ(Σ w φ(Δ)).
+
+  φ(Σ w φ / Σ w) = φ(Σ w φ) because dividing by a positive scalar does not change a direction.
+  """
+  w_sum = jnp.asarray(sum_terms.w, jnp.float32)
+  return jax.tree.map(
+      lambda w_norm, w_phi: _safe_div(w_norm, w_sum) * _unit(w_phi),
+      sum_terms.w_norm,
+      sum_terms.w_phi,
+  )
+
+
+def merge_fragment(
+    deltas: Mapping[str, Any],
+    w_M,
+    average_names: Collection[str] = frozenset(),
+    rule: str = "rda",
+) -> dict[str, jax.Array]:
+  """Merge one fragment's stacked outer gradients ``{name: array[M, ...]}`` into ``{name: Δ}``.
+
+  ``rule`` (``config.merge.rule``) is ``"rda"`` or ``"average"``. Names in ``average_names`` (the
+  token embedding) always use the weighted average: the paper merges the embedding fragment by
+  weighted average and all others by RDA (spec §5).
+  """
+  if rule not in MERGE_RULES:
+    raise ValueError(f"config.merge.rule={rule!r} must be one of {MERGE_RULES}")
+  merged = {}
+  for name, delta_MxN in deltas.items():
+    if rule == "average" or name in average_names:
+      merged[name] = weighted_average(delta_MxN, w_M)
+    else:
+      merged[name] = rda(delta_MxN, w_M)
+  return merged

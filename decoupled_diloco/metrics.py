@@ -1,0 +1,70 @@
+"""Metrics a user and a script can read: JSON lines plus TensorBoard event files under the workdir.
+
+Every record is one JSON object per line of `metrics.jsonl` with a `kind` ("learner", "merge",
+"eval", "bytes") and the wall time since the run started; numeric fields of learner and eval records
+also go to TensorBoard (tensorboardX: clu's writers would need TensorFlow). Learner threads, the
+syncer and the controller all write, so every method takes a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from tensorboardX import SummaryWriter
+
+
+def _plain(value: Any) -> Any:
+  """numpy / jax scalars and arrays to JSON-friendly Python values."""
+  if isinstance(value, dict):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if hasattr(value, "tolist"):
+    return np.asarray(value).tolist()
+  return value
+
+
+class MetricsWriter:
+  """Appends records to workdir/metrics.jsonl and scalars to TensorBoard under workdir/tb."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.workdir = workdir
+    self._lock = threading.Lock()
+    self._start = time.monotonic()
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8")
+    self._tb = SummaryWriter(os.path.join(workdir, "tb")) if tensorboard else None
+
+  def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
+            scalars: dict[str, float] | None = None) -> None:
+    """Writes one record; `scalars` (tag -> value) also go to TensorBoard at `step`."""
+    line = {"kind": kind, "time_s": round(time.monotonic() - self._start, 4), **_plain(record)}
+    with self._lock:
+      self._jsonl.write(json.dumps(line) + "\n")
+      if self._tb is not None and scalars and step is not None:
+        for tag, value in scalars.items():
+          self._tb.add_scalar(tag, float(value), step)
+
+  def flush(self) -> None:
+    with self._lock:
+      self._jsonl.flush()
+      if self._tb is not None:
+        self._tb.flush()
+
+  def close(self) -> None:
+    with self._lock:
+      self._jsonl.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+def read_records(workdir: str, kind: str | None = None) -> list[dict[str, Any]]:
+  """The records of workdir/metrics.jsonl, optionally of one kind."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return [r for r in records if kind is None or r["kind"] == kind]

@@ -1,0 +1,375 @@
+"""A Gemma-style decoder-only transformer, exposed as a flat dict of named tensors.
+
+Architecture (Gemma, arXiv 2403.08295): tied token embedding scaled by sqrt(d) on input, pre-RMSNorm
+blocks with rotary position embeddings, causal multi-head attention, a gated MLP (GeGLU by default,
+SwiGLU as an option), a final RMSNorm and logits through the same embedding matrix.
+
+Decoupled DiLoCo's syncer overwrites *fragments* (sets of whole tensors) by name, so the model is not
+handed around as an `nnx.Module` but as `(graphdef, params)` with `params: dict[str, jax.Array]` keyed
+by '/'-joined module paths ("embedder/embedding", "layers/0/attn/q_proj/kernel", "final_norm/scale").
+`apply` re-assembles the module inside the traced function, so it stays pure and jittable.
+
+Every parameter carries logical axis names (`nnx.with_partitioning`); `LOGICAL_AXIS_RULES` maps them to
+the ("data", "model") mesh of one learner: plain data parallelism replicates the weights, and the
+"model" axis splits vocab, heads and MLP hidden units (Megatron-style tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Logical axis -> mesh axis. The mesh of a learner has axes ("data", "model").
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("embed", None),
+    ("kv", None),
+    ("batch", "data"),
+)
+
+# Flat name of the token embedding; the syncer merges it with a plain weighted average, not RDA.
+EMBEDDING_NAME = "embedder/embedding"
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+
+# Which config field sets the size of a sharded logical axis, for error messages.
+_AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of the transformer; `from_config` reads them from `config.model`."""
+
+  vocab_size: int = 256  # Byte-level tokens.
+  embed_dim: int = 128  # Residual stream width d.
+  num_layers: int = 4
+  num_heads: int = 4
+  # Independent of embed_dim, as in Gemma (7B: d=3072, 16 heads x 256).
+  head_dim: int = 32
+  mlp_dim: int = 512  # Hidden width of the gated MLP.
+  max_seq_len: int = 128  # Longest sequence `__call__` accepts.
+  dtype: str = "float32"  # Activation dtype; parameters are always float32.
+  rope_base: float = 10_000.0  # Rotary embedding wavelength base.
+  # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
+  mlp_activation: str = "gelu"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim",
+                 "mlp_dim", "max_seq_len"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.model.{name}={value!r} must be a positive integer")
+    if self.head_dim % 2:
+      raise ValueError(
+          f"config.model.head_dim={self.head_dim} must be even: rotary embeddings rotate pairs"
+      )
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"config.model.dtype={self.dtype!r} must be one of {sorted(_DTYPES)}")
+    if (isinstance(self.rope_base, bool) or not isinstance(self.rope_base, (int, float))
+        or not self.rope_base > 1.0):
+      raise ValueError(f"config.model.rope_base={self.rope_base!r} must be a number > 1")
+    if self.mlp_activation not in _ACTIVATIONS:
+      raise ValueError(
+          f"config.model.mlp_activation={self.mlp_activation!r} must be one of "
+          f"{sorted(_ACTIVATIONS)}"
+      )
+
+  @classmethod
+  def from_config(cls, cfg: ml_collections.ConfigDict) -> "ModelConfig":
+    """Builds the config from `config.model`; absent fields keep their defaults.
+
+    Unknown fields are an error rather than ignored, so a misspelt override cannot silently leave
+    the default in place.
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = dict(cfg.items())
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(
+          f"config.model.{unknown[0]} is not a model field; known fields: {sorted(known)}"
+      )
+    return cls(**values)
+
+  @property
+  def activation_dtype(self) -> Any:
+    return _DTYPES[self.dtype]
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules.
+
+
+def _partitioned(init: Any, axes: tuple[str | None, ...]) -> Any:
+  return nnx.with_partitioning(init, axes)
+
+
+class Embedder(nnx.Module):
+  """Token embedding shared by the input lookup and the output logits (weight tying)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    # std 1/sqrt(d), so that after the sqrt(d) input scaling the embeddings have unit RMS.
+    init = nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.embed_dim))
+    self.embedding = nnx.Param(
+        _partitioned(init, ("vocab", "embed"))(
+            rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.float32
+        )
+    )
+    self.embed_dim = cfg.embed_dim
+    self.dtype = cfg.activation_dtype
+
+  def encode(self, tokens_BxL: jax.Array) -> jax.Array:
+    x_BxLxD = jnp.take(self.embedding[...], tokens_BxL, axis=0).astype(self.dtype)
+    # Gemma multiplies by sqrt(d) so that the tied matrix can serve both ends at unit scale.
+    return x_BxLxD * jnp.asarray(math.sqrt(self.embed_dim), self.dtype)
+
+  def decode(self, x_BxLxD: jax.Array) -> jax.Array:
+    embedding_VxD = self.embedding[...].astype(self.dtype)
+    return jnp.einsum(
+        "BLD,VD->BLV", x_BxLxD, embedding_VxD, preferred_element_type=jnp.float32
+    )
+
+
+class RMSNorm(nnx.Module):
+  """Gemma's RMSNorm: x / rms(x) * (1 + scale), with scale initialised to zero.
+
+  The (1 + scale) form makes weight decay pull the gain towards 1, not towards 0.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.scale = nnx.Param(
+        _partitioned(nnx.initializers.zeros_init(), ("embed",))(
+            rngs.params(), (cfg.embed_dim,), jnp.float32
+        )
+    )
+    self.eps = 1e-6
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    # Statistics in float32 even for bfloat16 activations.
+    x32_BxLxD = x_BxLxD.astype(jnp.float32)
+    ms_BxLx1 = jnp.mean(jnp.square(x32_BxLxD), axis=-1, keepdims=True)
+    normed_BxLxD = x32_BxLxD * jax.lax.rsqrt(ms_BxLx1 + self.eps)
+    return (normed_BxLxD * (1.0 + self.scale[...])).astype(x_BxLxD.dtype)
+
+
+def _projection(eqn: str, shape: tuple[int, ...], axes: tuple[str | None, ...],
+                in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...],
+                cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Einsum:
+  """A bias-free einsum projection with a fan-in scaled init and logical axis names."""
+  init = nnx.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+  )
+  return nnx.Einsum(
+      eqn, shape, bias_shape=None, dtype=cfg.activation_dtype, param_dtype=jnp.float32,
+      kernel_init=_partitioned(init, axes), rngs=rngs,
+  )
+
+
+def apply_rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding (Su et al., arXiv 2104.09864), half-split layout as in Gemma.
+
+  Pair (x[i], x[i + K/2]) is rotated by the angle position * base^(-2i/K).
+  """
+  head_dim = x_BxLxHxK.shape[-1]
+  fraction_K2 = 2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  inv_freq_K2 = base ** -fraction_K2
+  angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * inv_freq_K2[None, :]
+  sin_1xLx1xK2 = jnp.sin(angle_LxK2)[None, :, None, :]
+  cos_1xLx1xK2 = jnp.cos(angle_LxK2)[None, :, None, :]
+  x1_BxLxHxK2, x2_BxLxHxK2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+  rotated_BxLxHxK = jnp.concatenate(
+      [x1_BxLxHxK2 * cos_1xLx1xK2 - x2_BxLxHxK2 * sin_1xLx1xK2,
+       x2_BxLxHxK2 * cos_1xLx1xK2 + x1_BxLxHxK2 * sin_1xLx1xK2],
+      axis=-1,
+  )
+  return rotated_BxLxHxK.astype(x_BxLxHxK.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention with rotary embeddings on queries and keys."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, k = cfg.embed_dim, cfg.num_heads, cfg.head_dim
+    in_axes = ("embed", "heads", "kv")
+    self.q_proj = _projection("BLD,DHK->BLHK", (d, h, k), in_axes, 0, (1, 2), cfg, rngs)
+    self.k_proj = _projection("BLD,DHK->BLHK", (d, h, k), in_axes, 0, (1, 2), cfg, rngs)
+    self.v_proj = _projection("BLD,DHK->BLHK", (d, h, k), in_axes, 0, (1, 2), cfg, rngs)
+    self.o_proj = _projection(
+        "BLHK,HKD->BLD", (h, k, d), ("heads", "kv", "embed"), (0, 1), 2, cfg, rngs
+    )
+    self.rope_base = cfg.rope_base
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    positions_L = jnp.arange(x_BxLxD.shape[1])
+    q_BxLxHxK = apply_rope(self.q_proj(x_BxLxD), positions_L, self.rope_base)
+    k_BxLxHxK = apply_rope(self.k_proj(x_BxLxD), positions_L, self.rope_base)
+    v_BxLxHxK = self.v_proj(x_BxLxD)
+    # Scale 1/sqrt(head_dim) (the default); the XLA implementation does its softmax in float32.
+    out_BxLxHxK = jax.nn.dot_product_attention(
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation="xla"
+    )
+    return self.o_proj(out_BxLxHxK)
+
+
+class GatedMLP(nnx.Module):
+  """down(act(gate(x)) * up(x)) (Shazeer, arXiv 2002.05202)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    self.gate_proj = _projection("BLD,DF->BLF", (d, f), ("embed", "mlp"), 0, 1, cfg, rngs)
+    self.up_proj = _projection("BLD,DF->BLF", (d, f), ("embed", "mlp"), 0, 1, cfg, rngs)
+    self.down_proj = _projection("BLF,FD->BLD", (f, d), ("mlp", "embed"), 0, 1, cfg, rngs)
+    self.activation = _ACTIVATIONS[cfg.mlp_activation]
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    hidden_BxLxF = self.activation(self.gate_proj(x_BxLxD)) * self.up_proj(x_BxLxD)
+    return self.down_proj(hidden_BxLxF)
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.pre_attn_norm = RMSNorm(cfg, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.pre_mlp_norm = RMSNorm(cfg, rngs=rngs)
+    self.mlp = GatedMLP(cfg, rngs=rngs)
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    x_BxLxD = x_BxLxD + self.attn(self.pre_attn_norm(x_BxLxD))
+    return x_BxLxD + self.mlp(self.pre_mlp_norm(x_BxLxD))
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model: tokens_BxL -> float32 logits_BxLxV."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.embedder = Embedder(cfg, rngs=rngs)
+    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg, rngs=rngs)
+    self.max_seq_len = cfg.max_seq_len
+
+  def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    if tokens_BxL.ndim != 2:
+      raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxL.shape}")
+    if tokens_BxL.shape[1] > self.max_seq_len:
+      raise ValueError(
+          f"sequence length {tokens_BxL.shape[1]} exceeds "
+          f"config.model.max_seq_len={self.max_seq_len}"
+      )
+    x_BxLxD = self.embedder.encode(tokens_BxL)
+    for block in self.layers:
+      x_BxLxD = block(x_BxLxD)
+    return self.embedder.decode(self.final_norm(x_BxLxD))
+
+
+# ----------------------------------------------------------------------------------------------
+# The flat-dict view of the parameters.
+
+
+def _name(path: tuple[Any, ...]) -> str:
+  return "/".join(str(part) for part in path)
+
+
+def _path(name: str) -> tuple[str | int, ...]:
+  # nnx.List children are addressed by int; module attribute names are never all digits.
+  return tuple(int(part) if part.isdigit() else part for part in name.split("/"))
+
+
+def _flatten(state: nnx.State) -> dict[str, Any]:
+  return {_name(path): variable.get_value() for path, variable in nnx.to_flat_state(state)}
+
+
+def _build(cfg: ModelConfig, seed: int) -> Transformer:
+  # Eager sharding would place each Variable on a global (thread-local) mesh at creation; learners
+  # run in threads on different meshes, so placement is left to jit's out_shardings instead.
+  with nnx.use_eager_sharding(False):
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, tuple[tuple[str, Any, tuple], ...]]:
+  """(graphdef, ((name, ShapeDtypeStruct, logical axes), ...)) without allocating parameters."""
+  abstract_model = nnx.eval_shape(lambda: _build(cfg, 0))
+  graphdef, state = nnx.split(abstract_model)
+  entries = []
+  for path, variable in nnx.to_flat_state(state):
+    if not isinstance(variable, nnx.Param):
+      raise TypeError(f"{_name(path)} is a {type(variable).__name__}; the model must hold "
+                      "only nnx.Param state to be exchanged as a flat dict")
+    value = variable.get_value()
+    axes = variable.get_metadata().get("out_sharding") or (None,) * len(value.shape)
+    entries.append((_name(path), jax.ShapeDtypeStruct(value.shape, value.dtype), tuple(axes)))
+  return graphdef, tuple(entries)
+
+
+def logical_to_mesh_spec(axes: tuple[str | None, ...]) -> P:
+  """Maps logical axis names to a PartitionSpec with `LOGICAL_AXIS_RULES`."""
+  rules = dict(LOGICAL_AXIS_RULES)
+  return P(*(rules.get(axis) if axis is not None else None for axis in axes))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
+  """NamedSharding of every parameter on `mesh`, from its logical axes; keys as `init_params`."""
+  shardings = {}
+  for name, shape, axes in _abstract(cfg)[1]:
+    spec = logical_to_mesh_spec(axes)
+    for size, axis, mesh_axis in zip(shape.shape, axes, spec):
+      if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+        raise ValueError(
+            f"config.model.{_AXIS_FIELD.get(axis, axis)}={size} must be divisible by the "
+            f"'{mesh_axis}' mesh axis of size {mesh.shape[mesh_axis]} (parameter {name})"
+        )
+    shardings[name] = NamedSharding(mesh, spec)
+  return shardings
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """Shapes and dtypes of every parameter, without allocating any."""
+  return {name: shape for name, shape, _ in _abstract(cfg)[1]}
+
+
+def init_params(cfg: ModelConfig, mesh: Mesh, seed: int
+                ) -> tuple[nnx.GraphDef, dict[str, jax.Array]]:
+  """Initialises the parameters directly in their sharded layout on `mesh`.
+
+  Values depend only on `seed`, not on the mesh: JAX's partitionable threefry draws the same
+  numbers whichever way the output is sharded, so every learner can start from identical weights.
+  """
+  graphdef, _ = _abstract(cfg)
+  init_fn = jax.jit(
+      lambda: _flatten(nnx.state(_build(cfg, seed))),
+      out_shardings=param_shardings(cfg, mesh),
+  )
+  return graphdef, init_fn()
+
+
+def apply(graphdef: nnx.GraphDef, params: dict[str, jax.Array], tokens_BxL: jax.Array
+          ) -> jax.Array:
+  """Pure forward pass: float32 logits_BxLxV for `tokens_BxL` under the flat `params`."""
+  state = nnx.from_flat_state({_path(name): value for name, value in params.items()})
+  model = nnx.merge(graphdef, state)
+  return model(tokens_BxL)
+
+
+def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+  """Per-token negative log-likelihood in nats, float32 [B, L]."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxLxV.astype(jnp.float32), targets_BxL
+  )
+
+
+def num_params(params: dict[str, Any]) -> int:
+  """Total number of scalars in `params` (arrays or ShapeDtypeStructs)."""
+  return sum(math.prod(p.shape) for p in params.values())

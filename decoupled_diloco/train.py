@@ -1,0 +1,248 @@
+"""The single-controller runtime: M learner threads on their own meshes plus a syncer thread.
+
+`train_and_evaluate(config)` validates the config, partitions the devices, builds and compiles the
+learners and the syncer, runs them, prints progress, evaluates the global model (the syncer's Theta;
+the learner's own parameters in dp mode) and writes `workdir/summary.json`. It only moves data and
+calls the pure pieces (fragments, merge, outer, schedule) through the learner and syncer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from decoupled_diloco import data as data_lib
+from decoupled_diloco import devices as devices_lib
+from decoupled_diloco import evaluate
+from decoupled_diloco import fragments as fragments_lib
+from decoupled_diloco import inner
+from decoupled_diloco import learner as learner_lib
+from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import model as model_lib
+from decoupled_diloco import outer
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco import syncer as syncer_lib
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a run is made of, built and compiled, not yet started."""
+
+  config: ml_collections.ConfigDict
+  settings: settings_lib.RunSettings
+  learners: list[learner_lib.Learner]
+  syncer: syncer_lib.Syncer | None
+  evaluator: evaluate.Evaluator
+  metrics: metrics_lib.MetricsWriter
+  fragments: tuple[fragments_lib.Fragment, ...]
+  num_params: int
+  build_seconds: float
+
+
+def build(config: ml_collections.ConfigDict, *,
+          step_hook: Callable[[int, int], None] | None = None,
+          with_syncer: bool = True) -> Run:
+  """Validates, partitions devices, builds learners and syncer and compiles their steps."""
+  start = time.perf_counter()
+  settings = settings_lib.validate(config)
+  devices_lib.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
+  learner_meshes, syncer_mesh = devices_lib.build_meshes(
+      settings.learner_mesh_shapes, settings.syncer_devices, config.devices.platform)
+  metrics = metrics_lib.MetricsWriter(config.workdir)
+  tokens = data_lib.load_tokens(settings.data_path)
+  train_tokens, eval_tokens = data_lib.split_tokens(tokens, config.data.eval_fraction)
+  eval_batches = data_lib.make_eval_batches(
+      eval_tokens, seq_len=config.data.seq_len, batch_size=config.data.batch_size,
+      max_batches=config.eval_batches)
+  tx = inner.make_inner_optimizer(config.inner, config.num_steps)
+  model_cfg = settings.model
+  sync = settings.sync if with_syncer else None
+  fragments = ()
+  if sync is not None:
+    fragments = fragments_lib.partition(
+        model_lib.param_shapes(model_cfg), sync.num_fragments, sync.fragmentation,
+        embedding_names=(model_lib.EMBEDDING_NAME,))
+  options = learner_lib.LearnerOptions(
+      num_steps=config.num_steps,
+      lock_step=bool(sync and sync.lock_step),
+      schedule=sync.schedule if sync else None,
+      alpha=config.merge.alpha,
+      log_every=config.log_every,
+  )
+  built, graphdef, initial = [], None, None
+  for index, mesh in enumerate(learner_meshes):
+    shardings = model_lib.param_shardings(model_cfg, mesh)
+    if initial is None:
+      graphdef, params = model_lib.init_params(model_cfg, mesh, config.seed)
+      initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+    else:
+      # Every learner starts from the same parameters (the same seed gives the same values on any
+      # mesh): copy them instead of compiling the initialiser once per mesh.
+      params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
+    state = inner.init_train_state(params, tx, mesh, shardings)
+    train_step = inner.make_train_step(
+        graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings))
+    _compile(train_step, state, settings.learner_batch_size, config.data.seq_len)
+    loader = data_lib.make_train_loader(
+        train_tokens, seq_len=config.data.seq_len, batch_size=settings.learner_batch_size,
+        shard_index=index, num_shards=settings.num_learners, seed=config.seed)
+    built.append((train_step, state, shardings, iter(loader)))
+  syncer = None
+  if sync is not None:
+    syncer = syncer_lib.Syncer(
+        sync=sync, fragments=fragments, initial_params=initial, mesh=syncer_mesh,
+        outer_tx=outer.make_outer_optimizer(config.outer.name, config.outer.learning_rate,
+                                            config.outer.momentum),
+        options=syncer_lib.MergeOptions(
+            rule=config.merge.rule, weighting=config.merge.weighting, anchor=config.merge.anchor,
+            outer_grad_format=config.compression.outer_grad,
+            broadcast_format=config.compression.broadcast,
+            block_size=config.compression.block_size),
+        num_learners=settings.num_learners, metrics=metrics)
+    syncer.compile()
+  learners = []
+  for index, (train_step, state, shardings, batches) in enumerate(built):
+    learner = learner_lib.Learner(
+        index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
+        fragments=fragments, syncer=syncer, metrics=metrics, step_hook=step_hook,
+        options=dataclasses.replace(options, step_delay_s=settings.learner_step_delays_s[index]))
+    learners.append(learner)
+    if syncer is not None:
+      syncer.attach(index, learner)
+  # Same batches on one device in every mode: the syncer's first device, or in dp mode the
+  # learner's first device.
+  eval_mesh = devices_lib.single_device_mesh(syncer_mesh if syncer_mesh is not None
+                                             else learner_meshes[0])
+  evaluator = evaluate.Evaluator(graphdef, model_cfg, eval_mesh, eval_batches)
+  return Run(config, settings, learners, syncer, evaluator, metrics, fragments,
+             model_lib.num_params(initial), time.perf_counter() - start)
+
+
+def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
+  """Runs the step once on a throw-away batch so the learner starts with a compiled step."""
+  zeros = np.zeros((batch_size, seq_len), np.int32)
+  _, step_metrics = train_step(state, {"inputs": zeros, "targets": zeros})
+  jax.block_until_ready(step_metrics)
+
+
+def global_params(run: Run) -> dict[str, Any]:
+  """The global model: the syncer's Theta, or the single learner's parameters in dp mode."""
+  if run.syncer is not None:
+    return run.syncer.global_params()
+  return run.learners[0].params()
+
+
+def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
+  """Runs a built run to the end; returns (and writes) the summary."""
+  config, learners, syncer = run.config, run.learners, run.syncer
+  start = time.perf_counter()
+  if syncer is not None:
+    syncer.start()
+  for learner in learners:
+    learner.start()
+  evals = []
+  next_log, next_eval = config.log_every, config.eval_every or None
+  while not all(l.finished_training.is_set() for l in learners):
+    time.sleep(0.05)
+    clock = max(l.step for l in learners)
+    if progress and clock >= next_log:
+      _log_progress(run, clock, evals)
+      next_log += config.log_every
+    if next_eval is not None and clock >= next_eval and clock < config.num_steps:
+      evals.append(_evaluate(run, clock))
+      next_eval += config.eval_every
+    if syncer is not None and syncer.error is not None:
+      raise RuntimeError("the syncer failed") from syncer.error
+  train_seconds = time.perf_counter() - start
+  if syncer is not None:
+    # Merge what every learner did since its last sync, so the global model holds all the work.
+    if not syncer.flush(timeout=600):
+      raise RuntimeError("the final sync did not finish within 600 s")
+  for learner in learners:
+    learner.release()
+  for learner in learners:
+    learner.join()
+  if syncer is not None:
+    syncer.stop()
+    syncer.join()
+  final = _evaluate(run, max(l.step for l in learners), final=True)
+  evals.append(final)
+  summary = _summary(run, evals, train_seconds, time.perf_counter() - start)
+  run.metrics.flush()
+  with open(os.path.join(config.workdir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2)
+  if progress:
+    logging.info("done: final eval loss %.4f nats/byte, %.1f s, summary in %s",
+                 final["eval_loss"], summary["wall_seconds"],
+                 os.path.join(config.workdir, "summary.json"))
+  run.metrics.close()
+  return summary
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  run = build(config)
+  logging.info("built %d learner(s), %d parameters, %d fragment(s) in %.1f s", len(run.learners),
+               run.num_params, len(run.fragments), run.build_seconds)
+  return execute(run)
+
+
+def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
+  loss = run.evaluator(global_params(run))
+  record = {"step": clock, "eval_loss": loss, "final": final}
+  run.metrics.write("eval", record, step=clock, scalars={"eval/loss": loss})
+  logging.info("eval at step %d: global model %.4f nats/byte%s", clock, loss,
+               " (final)" if final else "")
+  return record
+
+
+def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
+  losses = " ".join(f"{l.losses[-1]:.3f}" if l.losses else "-" for l in run.learners)
+  rates = " ".join(
+      f"{np.mean(l.step_times[-run.config.log_every:]) ** -1:.2f}" if l.step_times else "-"
+      for l in run.learners)
+  line = f"step {clock}/{run.config.num_steps} | loss {losses} | steps/s {rates}"
+  if run.syncer is not None:
+    stats = run.syncer.stats
+    line += (f" | merges {stats.merges} | MB to/from syncer "
+             f"{(stats.bytes_up + stats.bytes_down) / 1e6:.2f}")
+  if evals:
+    line += f" | eval {evals[-1]['eval_loss']:.3f}"
+  logging.info(line)
+
+
+def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict[str, Any]:
+  learners, syncer = run.learners, run.syncer
+  tokens_per_step = run.settings.learner_batch_size * run.config.data.seq_len
+  stats = syncer.stats if syncer is not None else syncer_lib.SyncerStats()
+  return {
+      "mode": run.settings.mode,
+      "num_learners": run.settings.num_learners,
+      "num_params": run.num_params,
+      "num_fragments": len(run.fragments),
+      "tokens_trained": int(sum(l.step for l in learners) * tokens_per_step),
+      "final_eval_loss": evals[-1]["eval_loss"],
+      "eval_history": evals,
+      "bytes_learner_syncer": stats.bytes_up + stats.bytes_down,
+      "bytes_learner_to_syncer": stats.bytes_up,
+      "bytes_syncer_to_learners": stats.bytes_down,
+      "bytes_syncer_allreduce": stats.bytes_allreduce,
+      "wall_seconds": wall_seconds,
+      "train_seconds": train_seconds,
+      "build_seconds": run.build_seconds,
+      "learner_steps": [l.step for l in learners],
+      "learner_steps_per_s": [len(l.step_times) / max(sum(l.step_times), 1e-9) for l in learners],
+      "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
+      "merges": stats.merges,
+      "late_offers": stats.late_offers,
+      "rounds_without_quorum": stats.rounds_without_quorum,
+      "due_while_in_flight": stats.due_while_in_flight,
+  }

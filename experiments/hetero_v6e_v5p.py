@@ -1,0 +1,25 @@
+"""Reference config for heterogeneous hardware (spec §4): 4 learners on v6e-64 + 4 on v5p-64 slices.
+
+The paper's quorum / grace experiment: learners on two TPU generations step about 18% apart, the
+syncer merges with K = 1 and an adaptive grace window so that no learner waits. One controller sees
+all chips; the first four meshes are the v6e slices (64 chips each, data=16 x model=4), the last four
+the v5p slices (32 chips each, data=8 x model=4). On a real multi-slice deployment, order
+`jax.devices()` so each learner's chips are one slice (the runtime takes consecutive devices).
+"""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments import gemma_2b_v5p  # pylint: disable=g-import-not-at-top
+
+
+def get_config():
+  config = gemma_2b_v5p.get_config()
+  config.workdir = "gs://YOUR_BUCKET/decoupled_diloco/hetero_v6e_v5p"
+  config.num_learners = 8
+  config.learner_mesh_shapes = ((16, 4),) * 4 + ((8, 4),) * 4
+  config.data.batch_size = 32  # per learner; divides both data axes
+  config.sync.quorum = 1
+  config.sync.grace_gamma = 0.5
+  return config

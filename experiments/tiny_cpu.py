@@ -1,0 +1,93 @@
+"""Default experiment: Decoupled DiLoCo, 4 learners x 2 fake CPU devices, a ~0.28M-parameter byte-level
+decoder on the bundled tiny-shakespeare corpus. Runs in a few minutes on a 2-core laptop or CI box.
+
+  scripts/train.sh                                   # this config
+  scripts/train.sh --config.num_steps=50 --config.sync.quorum=2
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # decoupled (the paper), diloco (lock-step, K = M, P = 1), streaming (lock-step with fragments),
+  # dp (one synchronous data-parallel learner over all learner devices, batch num_learners x batch_size).
+  config.mode = "decoupled"
+  config.seed = 0  # model init (identical on every learner) and data order
+  config.workdir = "workdir/tiny_cpu"  # metrics.jsonl, TensorBoard events, summary.json
+  config.num_steps = 400  # inner steps per learner; tokens = num_steps x num_learners x batch x seq_len
+  config.log_every = 25  # progress line every this many steps of the fastest learner
+  config.eval_every = 100  # eval the global model (syncer's Theta) every this many steps; 0 = only at the end
+  config.eval_batches = 8  # held-out batches (of data.batch_size x data.seq_len) per evaluation
+
+  config.devices = ml_collections.ConfigDict()
+  config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use
+  # Fake host devices (XLA_FLAGS=--xla_force_host_platform_device_count), set before JAX starts;
+  # 0 = use the real devices. 4 learners x 2 + 4 syncer shards.
+  config.devices.num_fake_cpu_devices = 12
+
+  config.num_learners = 4  # M
+  # (data, model) mesh shape of each learner: one entry for all learners, or one per learner.
+  config.learner_mesh_shapes = ((2, 1),)
+  # Extra seconds each learner sleeps per step (one entry per learner, or empty): emulates slower
+  # hardware for heterogeneity studies. Empty = all learners run at the speed of their mesh.
+  config.learner_step_delays_s = ()
+
+  config.syncer = ml_collections.ConfigDict()
+  config.syncer.num_devices = 4  # CPU devices of the syncer mesh; learners' terms are sharded over them
+
+  config.sync = ml_collections.ConfigDict()
+  config.sync.num_fragments = 24  # P (spec default 24)
+  config.sync.period = 24  # H: each fragment is merged every H inner steps, staggered (spec default 24)
+  config.sync.overlap = 2  # tau: steps of compute the communication may overlap (spec default 2)
+  config.sync.quorum = 1  # K: learners with a fresh fragment before a merge may start (spec default 1)
+  # Grace window after quorum: clamp(gamma * (tau*xi_step - (xi_quorum + xi_sync)), 0, cap). gamma was
+  # not published; 0.5 leaves half of the slack as margin so that no learner is ever blocked.
+  config.sync.grace_gamma = 0.5
+  config.sync.grace_cap_s = 1.0  # upper bound of the grace window, seconds
+  config.sync.ema_decay = 0.9  # of the step / quorum / sync time estimates
+  config.sync.fragmentation = "balanced"  # balanced | round_robin | layer_strided
+
+  config.merge = ml_collections.ConfigDict()
+  config.merge.rule = "rda"  # rda | average (non-embedding tensors; the embedding is always averaged)
+  config.merge.weighting = "tokens_sq_over_steps"  # tokens_sq_over_steps | tokens | uniform
+  config.merge.anchor = "learner"  # learner (last Theta the learner received) | syncer (current Theta)
+  config.merge.alpha = 0.0  # on receive: theta <- alpha*theta_local + (1-alpha)*Theta; 0 = overwrite
+
+  config.outer = ml_collections.ConfigDict()
+  config.outer.name = "sgd_nesterov"  # sgd_nesterov | sgd | adam
+  config.outer.learning_rate = 0.7  # DiLoCo's value; the paper's was not published
+  config.outer.momentum = 0.9
+
+  config.compression = ml_collections.ConfigDict()
+  config.compression.outer_grad = "bf16"  # learner -> syncer outer gradients: fp32 | bf16 | int8 | int4
+  config.compression.broadcast = "fp32"  # syncer -> learner Theta: fp32 | bf16
+  config.compression.block_size = 64  # values per fp32 scale for int8 / int4
+
+  config.inner = ml_collections.ConfigDict()
+  config.inner.learning_rate = 3e-3  # AdamW peak
+  config.inner.warmup_steps = 40
+  config.inner.final_lr_fraction = 0.1  # cosine decays to learning_rate x this at num_steps
+  config.inner.weight_decay = 0.01
+  config.inner.b1 = 0.9
+  config.inner.b2 = 0.99
+  config.inner.eps = 1e-8
+  config.inner.grad_clip_norm = 1.0  # 0 = no clipping
+
+  config.model = ml_collections.ConfigDict()
+  config.model.vocab_size = 256  # byte-level tokens
+  config.model.embed_dim = 64
+  config.model.num_layers = 4
+  config.model.num_heads = 4
+  config.model.head_dim = 16
+  config.model.mlp_dim = 256
+  config.model.max_seq_len = 128
+  config.model.dtype = "float32"  # activations; bfloat16 on TPU
+  config.model.rope_base = 10_000.0
+
+  config.data = ml_collections.ConfigDict()
+  config.data.path = ""  # a text file, read as bytes; "" = the bundled tiny-shakespeare corpus
+  config.data.seq_len = 128
+  config.data.batch_size = 16  # per learner (dp mode: num_learners x this, one learner)
+  config.data.eval_fraction = 0.05  # the last 5% of the file is held out for evaluation
+  return config

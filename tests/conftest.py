@@ -1,0 +1,59 @@
+"""Test-wide set-up: fake CPU devices must be requested before JAX initialises."""
+
+import os
+
+# 4 learners x 2 devices + 4 syncer shards, the layout of experiments/tiny_cpu.py.
+NUM_FAKE_DEVICES = 12
+
+os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def tiny_config(workdir, **overrides):
+  """experiments/tiny_cpu.py shrunk to a model and run that train in seconds on 2 cores.
+
+  `overrides` use dotted field names with '__' for '.', e.g. sync__quorum=2.
+  """
+  from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
+
+  config = tiny_cpu.get_config()
+  config.workdir = str(workdir)
+  config.num_steps = 24
+  config.log_every = 8
+  config.eval_every = 0
+  config.eval_batches = 2
+  config.devices.num_fake_cpu_devices = NUM_FAKE_DEVICES
+  config.model.embed_dim = 32
+  config.model.num_layers = 2
+  config.model.num_heads = 2
+  config.model.head_dim = 16
+  config.model.mlp_dim = 64
+  config.model.max_seq_len = 32
+  config.data.seq_len = 32
+  config.data.batch_size = 4
+  config.sync.num_fragments = 4
+  config.sync.period = 4
+  config.sync.overlap = 1
+  config.inner.warmup_steps = 4
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split("__")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+def pytest_configure(config):
+  """One compilation cache per test session: runs that rebuild the same learner meshes and steps
+  (most runtime tests) load the compiled programs instead of compiling them again."""
+  del config
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="dd_jax_cache_"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -1,0 +1,211 @@
+"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors."""
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from decoupled_diloco import model
+
+TINY = model.ModelConfig(
+    vocab_size=256, embed_dim=32, num_layers=2, num_heads=2, head_dim=16, mlp_dim=64,
+    max_seq_len=16,
+)
+
+
+def _mesh(data: int, tensor: int) -> Mesh:
+  devices = np.array(jax.devices()[: data * tensor]).reshape(data, tensor)
+  return Mesh(devices, ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def replicated_init():
+  return model.init_params(TINY, _mesh(2, 1), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_init():
+  return model.init_params(TINY, _mesh(1, 2), seed=0)
+
+
+def _logits(graphdef, params, tokens_BxL):
+  return jax.jit(lambda p, t: model.apply(graphdef, p, t))(params, tokens_BxL)
+
+
+def _tokens(batch, length, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (batch, length)), jnp.int32)
+
+
+def test_logits_are_float32_batch_by_length_by_vocab(replicated_init):
+  graphdef, params = replicated_init
+  logits_BxLxV = _logits(graphdef, params, _tokens(2, 8))
+  assert logits_BxLxV.shape == (2, 8, 256)
+  assert logits_BxLxV.dtype == jnp.float32
+  assert np.isfinite(np.asarray(logits_BxLxV)).all()
+
+
+def test_bfloat16_activations_still_give_float32_logits(replicated_init):
+  graphdef, params = replicated_init
+  graphdef_bf16, params_bf16 = model.init_params(
+      dataclasses.replace(TINY, dtype="bfloat16"), _mesh(1, 1), seed=0)
+  assert all(p.dtype == jnp.float32 for p in params_bf16.values())
+  logits_bf16 = _logits(graphdef_bf16, params_bf16, _tokens(2, 8))
+  logits_f32 = _logits(graphdef, params, _tokens(2, 8))
+  assert logits_bf16.dtype == jnp.float32
+  # Same weights, lower-precision arithmetic: close but not identical.
+  np.testing.assert_allclose(logits_bf16, logits_f32, atol=0.25)
+
+
+def test_changing_token_t_leaves_earlier_logits_unchanged(replicated_init):
+  graphdef, params = replicated_init
+  tokens_BxL = _tokens(2, 12)
+  t = 5
+  changed_BxL = tokens_BxL.at[:, t].set((tokens_BxL[:, t] + 1) % 256)
+  before, after = _logits(graphdef, params, tokens_BxL), _logits(graphdef, params, changed_BxL)
+  np.testing.assert_array_equal(before[:, :t], after[:, :t])
+  # ... while position t and later do see the change.
+  assert np.abs(np.asarray(before[:, t:] - after[:, t:])).max(axis=-1).min() > 0
+
+
+def test_rope_attention_scores_depend_only_on_relative_position():
+  rng = np.random.default_rng(0)
+  q_1x1x1xK = jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32)
+  k_1x1x1xK = jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32)
+
+  def score(q_pos, k_pos):
+    q = model.apply_rope(q_1x1x1xK, jnp.array([q_pos]), 10_000.0)
+    k = model.apply_rope(k_1x1x1xK, jnp.array([k_pos]), 10_000.0)
+    return float(jnp.sum(q * k))
+
+  assert score(7, 3) == pytest.approx(score(11, 7), rel=1e-5)
+  assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-3)
+  # A rotation keeps norms.
+  rotated = model.apply_rope(q_1x1x1xK, jnp.array([9]), 10_000.0)
+  assert float(jnp.linalg.norm(rotated)) == pytest.approx(float(jnp.linalg.norm(q_1x1x1xK)), 1e-5)
+
+
+def test_model_mesh_splits_vocab_heads_and_mlp(tensor_parallel_init):
+  _, params = tensor_parallel_init
+  embedding = params[model.EMBEDDING_NAME]
+  assert embedding.sharding.spec == P("model", None)
+  # Vocab 256 over 2 model shards: each device holds 128 rows of the embedding.
+  assert {s.data.shape for s in embedding.addressable_shards} == {(128, 32)}
+  assert params["layers/0/attn/q_proj/kernel"].sharding.spec == P(None, "model", None)
+  assert params["layers/0/attn/o_proj/kernel"].sharding.spec == P("model", None, None)
+  assert params["layers/1/mlp/gate_proj/kernel"].sharding.spec == P(None, "model")
+  assert params["layers/1/mlp/down_proj/kernel"].sharding.spec == P("model", None)
+  assert params["final_norm/scale"].sharding.is_fully_replicated
+  shardings = model.param_shardings(TINY, _mesh(1, 2))
+  assert all(params[name].sharding == s for name, s in shardings.items())
+
+
+def test_data_mesh_replicates_every_parameter(replicated_init):
+  _, params = replicated_init
+  for name, value in params.items():
+    assert value.sharding.is_fully_replicated, name
+    assert len(value.sharding.device_set) == 2, name
+
+
+def test_same_seed_gives_identical_params_on_any_mesh(replicated_init, tensor_parallel_init):
+  _, on_data_mesh = replicated_init
+  _, on_model_mesh = tensor_parallel_init
+  assert on_data_mesh.keys() == on_model_mesh.keys()
+  for name in on_data_mesh:
+    np.testing.assert_array_equal(on_data_mesh[name], on_model_mesh[name], err_msg=name)
+  _, other_seed = model.init_params(TINY, _mesh(1, 1), seed=1)
+  assert not np.array_equal(on_data_mesh[model.EMBEDDING_NAME], other_seed[model.EMBEDDING_NAME])
+
+
+def test_tensor_parallel_logits_match_replicated(replicated_init, tensor_parallel_init):
+  tokens_BxL = _tokens(2, 8)
+  np.testing.assert_allclose(
+      _logits(*replicated_init, tokens_BxL), _logits(*tensor_parallel_init, tokens_BxL),
+      rtol=1e-5, atol=1e-5,
+  )
+
+
+def test_flat_names_are_module_paths(replicated_init):
+  _, params = replicated_init
+  assert model.EMBEDDING_NAME in params
+  assert "final_norm/scale" in params
+  assert any(name.startswith("layers/0/") for name in params)
+  for name in params:
+    if "layers" in name:
+      assert re.fullmatch(r"layers/\d+/.+", name), name
+  layers = {int(name.split("/")[1]) for name in params if name.startswith("layers/")}
+  assert layers == set(range(TINY.num_layers))
+  shapes = model.param_shapes(TINY)
+  assert shapes.keys() == params.keys()
+  assert all(shapes[n].shape == params[n].shape for n in params)
+  assert model.param_shardings(TINY, _mesh(2, 1)).keys() == params.keys()
+
+
+def _expected_count(v, d, layers, heads, head_dim, mlp):
+  # Embedding (tied, counted once) + per layer q, k, v, o, gate, up, down, 2 norms + final norm.
+  attention = 4 * d * heads * head_dim
+  gated_mlp = 3 * d * mlp
+  return v * d + layers * (attention + gated_mlp + 2 * d) + d
+
+
+def test_parameter_counts_of_default_and_small_configs():
+  default = model.param_shapes(model.ModelConfig())
+  assert model.num_params(default) == _expected_count(256, 128, 4, 4, 32, 512) == 1_082_496
+  small = model.ModelConfig(embed_dim=64, num_layers=4, num_heads=4, head_dim=16, mlp_dim=192)
+  assert model.num_params(model.param_shapes(small)) == _expected_count(256, 64, 4, 4, 16, 192)
+  assert abs(model.num_params(model.param_shapes(small)) - 230_000) < 1_000
+
+
+def test_from_config_reads_fields_and_allows_head_width_unlike_embed_dim():
+  cfg = ml_collections.ConfigDict(dict(
+      vocab_size=256, embed_dim=48, num_layers=2, num_heads=2, head_dim=16, mlp_dim=96,
+      max_seq_len=64, dtype="bfloat16", rope_base=500.0,
+  ))
+  mc = model.ModelConfig.from_config(cfg)
+  assert (mc.embed_dim, mc.num_heads * mc.head_dim, mc.dtype) == (48, 32, "bfloat16")
+  assert mc.mlp_activation == "gelu"  # Absent field keeps its default.
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_heads", 0), ("embed_dim", -1), ("head_dim", 15), ("dtype", "float16"),
+    ("rope_base", 0.5), ("mlp_activation", "relu"), ("num_layers", 2.0),
+])
+def test_from_config_errors_name_the_field(field, value):
+  with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
+    model.ModelConfig.from_config(ml_collections.ConfigDict({field: value}))
+
+
+def test_from_config_rejects_unknown_fields():
+  with pytest.raises(ValueError, match=r"config\.model\.num_head "):
+    model.ModelConfig.from_config(ml_collections.ConfigDict({"num_head": 4}))
+
+
+def test_heads_not_divisible_by_model_axis_is_an_error_naming_the_field():
+  odd_heads = dataclasses.replace(TINY, num_heads=3)
+  with pytest.raises(ValueError, match=r"config\.model\.num_heads=3"):
+    model.param_shardings(odd_heads, _mesh(1, 2))
+
+
+def test_sequence_longer_than_max_seq_len_is_an_error(replicated_init):
+  graphdef, params = replicated_init
+  with pytest.raises(ValueError, match=r"config\.model\.max_seq_len=16"):
+    model.apply(graphdef, params, _tokens(1, 17))
+
+
+def test_cross_entropy_of_uniform_logits_is_log_vocab():
+  nats_BxL = model.cross_entropy(jnp.zeros((2, 3, 256)), jnp.array([[0, 5, 255], [1, 2, 3]]))
+  assert nats_BxL.shape == (2, 3) and nats_BxL.dtype == jnp.float32
+  np.testing.assert_allclose(nats_BxL, math.log(256), rtol=1e-6)
+  # A confident correct prediction costs ~0 nats, a confident wrong one ~the logit gap.
+  confident = jnp.zeros((1, 1, 256)).at[0, 0, 7].set(30.0)
+  assert float(model.cross_entropy(confident, jnp.array([[7]]))[0, 0]) < 1e-6
+  assert float(model.cross_entropy(confident, jnp.array([[8]]))[0, 0]) == pytest.approx(30.0, 1e-4)
+
+
+def test_num_params_counts_scalars():
+  assert model.num_params({"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}) == 10

@@ -1,0 +1,82 @@
+"""Start-up validation: every bad field fails before compilation, naming the field."""
+
+import pytest
+
+from decoupled_diloco import settings
+from experiments import dp_baseline_cpu
+from experiments import tiny_cpu
+
+
+def _config(**fields):
+  config = tiny_cpu.get_config()
+  for key, value in fields.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
+  run = settings.validate(tiny_cpu.get_config())
+  assert run.mode == "decoupled"
+  assert run.num_learners == 4
+  assert run.learner_mesh_shapes == ((2, 1),) * 4
+  assert (run.sync.num_fragments, run.sync.period, run.sync.overlap, run.sync.quorum) == (
+      24, 24, 2, 1)
+  assert not run.sync.lock_step
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("mode", "async", "config.mode='async'"),
+    ("sync.quorum", 9, "config.sync.quorum=9"),
+    ("sync.quorum", 0, "config.sync.quorum=0"),
+    ("sync.period", 25, "config.sync.period"),  # H must be a multiple of P = 24
+    ("sync.fragmentation", "random", "config.sync.fragmentation='random'"),
+    ("sync.grace_gamma", 1.5, "config.sync.grace_gamma=1.5"),
+    ("merge.rule", "median", "config.merge.rule='median'"),
+    ("merge.weighting", "loss", "config.merge.weighting='loss'"),
+    ("merge.anchor", "peer", "config.merge.anchor='peer'"),
+    ("merge.alpha", 1.0, "config.merge.alpha=1.0"),
+    ("outer.name", "lion", "config.outer.name"),
+    ("outer.learning_rate", -1.0, "config.outer.learning_rate"),
+    ("compression.outer_grad", "int2", "config.compression.outer_grad='int2'"),
+    ("compression.broadcast", "int4", "config.compression.broadcast='int4'"),
+    ("inner.learning_rate", -3e-3, "config.inner.learning_rate"),
+    ("model.num_heads", 0, "config.model.num_heads"),
+    ("data.path", "/no/such/corpus.txt", "config.data.path='/no/such/corpus.txt'"),
+    ("data.seq_len", 4096, "config.data.seq_len=4096"),
+    ("data.batch_size", 15, "config.data.batch_size=15"),  # does not split over data axis 2
+    ("data.eval_fraction", 0.0, "config.data.eval_fraction=0.0"),
+    ("learner_mesh_shapes", ((2, 1), (2, 1)), "config.learner_mesh_shapes"),
+    ("learner_step_delays_s", (0.1,), "config.learner_step_delays_s"),
+    ("num_steps", 0, "config.num_steps=0"),
+    ("devices.platform", "ipu", "config.devices.platform='ipu'"),
+])
+def test_bad_field_fails_with_its_name(field, value, needle):
+  with pytest.raises(ValueError, match=None) as err:
+    settings.validate(_config(**{field: value}))
+  assert needle in str(err.value), str(err.value)
+
+
+def test_too_many_fragments_for_the_model_fails_at_start_up():
+  with pytest.raises(ValueError, match="config.sync.num_fragments"):
+    settings.validate(_config(**{"sync.num_fragments": 2000, "sync.period": 2000}))
+
+
+def test_lock_step_modes_resolve_to_their_baselines():
+  diloco = settings.validate(_config(mode="diloco"))
+  assert (diloco.sync.num_fragments, diloco.sync.quorum, diloco.sync.overlap) == (1, 4, 0)
+  assert diloco.sync.lock_step
+  streaming = settings.validate(_config(mode="streaming"))
+  assert (streaming.sync.num_fragments, streaming.sync.quorum) == (24, 4)
+  assert streaming.sync.lock_step
+
+
+def test_dp_is_one_learner_over_all_learner_devices_with_the_same_tokens_per_step():
+  decoupled = settings.validate(tiny_cpu.get_config())
+  dp = settings.validate(dp_baseline_cpu.get_config())
+  assert dp.num_learners == 1 and dp.sync is None and dp.syncer_devices == 0
+  assert dp.learner_devices == decoupled.learner_devices == 8
+  assert dp.learner_batch_size == decoupled.num_learners * decoupled.learner_batch_size
