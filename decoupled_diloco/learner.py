@@ -199,25 +199,29 @@ class Learner:
 
   def _train(self) -> None:
     opts = self._options
-    in_flight = None  # metrics of the step dispatched last, read after the next one is dispatched
+    in_flight = None  # metrics of the last dispatched step, read after the next one is dispatched
     last_done = time.perf_counter()
     while self.step < opts.num_steps and not self._stop.is_set():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
-      self._serve()
+      self._apply_arrived()
+      current = self._state  # the state after step self.step (its step may still be running)
       batch = next(self._batches)
       self._tokens_per_step = int(batch["targets"].size)
-      self._state, step_metrics = self._train_step(self._state, batch)
-      self.step += 1
-      self._counter_steps += 1
-      self._counter_tokens += self._tokens_per_step
-      if opts.step_delay_s:
-        time.sleep(opts.step_delay_s)
+      self._state, step_metrics = self._train_step(current, batch)
       # Reading the previous step's loss after dispatching this one keeps the devices busy
       # (nanodo's pattern); a step's time is the time between two completed steps.
       if in_flight is not None:
-        last_done = self._finish_step(in_flight, self.step - 1, last_done)
+        last_done = self._finish_step(in_flight, self.step, last_done)
+      # `current` is complete now: pulls get it, so their copies to host RAM land at once and
+      # the counters still describe it.
+      self._answer_pulls(current)
+      self.step += 1
+      self._counter_steps += 1
+      self._counter_tokens += self._tokens_per_step
       in_flight = step_metrics
+      if opts.step_delay_s:
+        time.sleep(opts.step_delay_s)
       if opts.lock_step:
         self._offer_due_fragments()
         self._wait_for_due_merges()
@@ -245,21 +249,28 @@ class Learner:
 
   def _serve(self) -> None:
     """Apply arrived merges, then answer pulls: both between steps, neither blocks."""
+    self._apply_arrived()
+    self._answer_pulls(self._state)
+
+  def _apply_arrived(self) -> None:
     while True:
       try:
         self._apply(self._inbox.get_nowait())
       except queue.Empty:
-        break
+        return
+
+  def _answer_pulls(self, state: inner.TrainState) -> None:
     while True:
       try:
         fragment = self._pulls.get_nowait()
       except queue.Empty:
-        break
-      self._offer(fragment)
+        return
+      self._offer(fragment, state)
 
-  def _offer(self, p: int) -> None:
+  def _offer(self, p: int, state: inner.TrainState | None = None) -> None:
     frag = self._fragments[p]
-    values = {name: self._state.params[name] for name in frag.names}
+    params = (state or self._state).params
+    values = {name: params[name] for name in frag.names}
     for array in values.values():
       array.copy_to_host_async()
     self._offers_made[p] += 1

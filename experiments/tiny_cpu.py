@@ -23,8 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use
   # Fake host devices (XLA_FLAGS=--xla_force_host_platform_device_count), set before JAX starts;
-  # 0 = use the real devices. 4 learners x 2 + 4 syncer shards.
-  config.devices.num_fake_cpu_devices = 12
+  # 0 = use the real devices. 4 learners x 2 + 1 syncer device.
+  config.devices.num_fake_cpu_devices = 9
 
   config.num_learners = 4  # M
   # (data, model) mesh shape of each learner: one entry for all learners, or one per learner.
@@ -34,7 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.learner_step_delays_s = ()
 
   config.syncer = ml_collections.ConfigDict()
-  config.syncer.num_devices = 4  # CPU devices of the syncer mesh; learners' terms are sharded over them
+  # CPU devices of the syncer mesh; the learners' merge terms are sharded over them and summed by
+  # one all-reduce. 1 here: on a 2-core box whose cores the learner threads keep busy, a syncer
+  # program with a cross-device all-reduce waited ~0.5 s for its device threads to meet, against
+  # ~5 ms on one device (measured 2026-11), and slow merges shut the grace window.
+  config.syncer.num_devices = 1
 
   config.sync = ml_collections.ConfigDict()
   config.sync.num_fragments = 24  # P (spec default 24)

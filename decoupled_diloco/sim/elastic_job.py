@@ -1,0 +1,165 @@
+"""An elastic data-parallel job at slice granularity, simulated event by event.
+
+Mechanics (the `elastic_dp` system, and each learner of `decoupled`):
+  * The job holds S slices of c chips. Each healthy slice fails at rate c / MTBI.
+  * A failure of a slice in the mesh throws away the step in flight and pauses the whole job for a
+    re-configuration (rebuild the mesh on the survivors, mean `reconfig_s`). Nothing else is lost:
+    the surviving data-parallel replicas hold the full training state.
+  * The failed slice is repaired after a random delay (mean `repair_s`). A repaired slice re-joins
+    at once, which pauses the job for another re-configuration (re-grow).
+  * A slice that comes back during a re-configuration joins in that same one. A failure during a
+    re-configuration aborts it: a new one, of fresh random length, starts then.
+  * While running, every chip of the mesh trains usefully; chips of slices under repair are idle.
+
+For λ = N / MTBI failures per second and pauses of mean r, each failure costs about two pauses
+(shrink, re-grow), step_s/2 of lost work, and its slice's chips for a repair, so to first order
+    goodput ≈ (1 − q) · (1 − λ·step_s/2) / (1 + 2·λ·r),
+q = slice unavailability (`cluster.slice_unavailability`). The simulation is exact where this
+approximates: pauses that overlap, heavy-tailed pauses cut short by a new failure (which makes the
+mean pause shorter as failures get more frequent), a job left with no slice.
+"""
+
+import heapq
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from decoupled_diloco.sim import accounting
+from decoupled_diloco.sim.cluster import ClusterParams, RandomStream, num_slices
+
+
+def simulate_elastic_job(
+    num_chips: float,
+    params: ClusterParams,
+    horizon_s: float,
+    rng: np.random.Generator,
+    *,
+    warmup_s: float = 0.0,
+    rejoin_stale_s: float = 0.0,
+    rejoin_discount: float = 0.0,
+    failure_times_s: Optional[Sequence[float]] = None,
+) -> accounting.JobTrace:
+  """Simulates one elastic job of `num_chips` chips over [0, horizon_s) after a warm-up.
+
+  Args:
+    num_chips: chips allocated to the job (N for elastic DP, N/M for one learner).
+    params: the cluster's physical parameters.
+    horizon_s: measured wall-clock time.
+    rng: numpy generator; the only source of randomness.
+    warmup_s: simulated before t = 0 and not measured, so slices under repair reach steady state.
+    rejoin_stale_s: after each pause, the job's first `rejoin_stale_s` seconds of steps are stale
+      (decoupled learners: until fresh fragments arrive, ~H steps).
+    rejoin_discount: share of those stale steps' useful work that does not count (0 = none).
+    failure_times_s: scripted failures instead of the Poisson process: at each of these times one
+      slice of the mesh fails (tests of one failure's cost). No warm-up is simulated then.
+
+  Returns:
+    The job's trace: useful chip-seconds, badput buckets, pause intervals.
+  """
+  if horizon_s <= 0:
+    raise ValueError(f"horizon_s={horizon_s} must be > 0")
+  if not 0.0 <= rejoin_discount <= 1.0:
+    raise ValueError(f"rejoin_discount={rejoin_discount} must be in [0, 1]")
+  total_slices = num_slices(num_chips, params.slice_chips)
+  chips = num_chips / total_slices  # per slice
+  slice_rate = chips / params.mtbi_s
+  reconfig_s, repair_s, step_s = params.reconfig_s, params.repair_s, params.step_s
+  rand = RandomStream(rng, params)
+  inf = math.inf
+  scripted = None if failure_times_s is None else sorted(failure_times_s, reverse=True)
+  if scripted is not None:
+    warmup_s = 0.0
+
+  t = -warmup_s
+  in_mesh = total_slices  # slices the job trains on (or will, once the current pause ends)
+  waiting = 0  # repaired slices that join when the current pause ends
+  repairs = []  # heap of repair completion times
+  # pause_end is infinite while paused with no slice left: the next repair restarts the job.
+  paused, pause_start, pause_end = False, 0.0, inf
+  run_since = t  # steps run back to back from here
+  stale_until = -inf
+  useful = reconfig = idle = stale = lost = 0.0  # chip-seconds from t = 0 on
+  pauses, num_failures = [], 0
+
+  while True:
+    healthy = in_mesh + waiting
+    if scripted is None:
+      t_fail = t + rand.exponential() / (healthy * slice_rate) if healthy else inf
+    else:
+      t_fail = scripted[-1] if scripted and healthy else inf
+    t_repair = repairs[0] if repairs else inf
+    t_next = min(t_fail, t_repair, pause_end, horizon_s)
+
+    a = t if t > 0.0 else 0.0
+    if t_next > a:
+      dt = t_next - a
+      idle += (total_slices - in_mesh) * chips * dt
+      mesh_time = in_mesh * chips * dt
+      if paused:
+        reconfig += mesh_time
+      else:
+        if stale_until > a and rejoin_discount:
+          discounted = in_mesh * chips * (min(t_next, stale_until) - a) * rejoin_discount
+          stale += discounted
+          mesh_time -= discounted
+        useful += mesh_time
+    t = t_next
+    if t >= horizon_s:
+      break
+
+    if t == pause_end:
+      in_mesh += waiting
+      waiting = 0
+      if t > 0.0:
+        pauses.append((max(pause_start, 0.0), t))
+      paused, pause_end = False, inf
+      run_since = t
+      stale_until = t + rejoin_stale_s
+    elif t == t_repair:
+      heapq.heappop(repairs)
+      waiting += 1
+      if not paused:
+        paused, pause_start, pause_end = True, t, t + rand.duration(reconfig_s)
+      elif pause_end == inf:  # the job had no slice left; this one restarts it
+        pause_end = t + rand.duration(reconfig_s)
+    else:  # a failure of one healthy slice, uniformly at random (scripted: one of the mesh)
+      if scripted:
+        scripted.pop()
+        hit_mesh = in_mesh > 0
+      else:
+        hit_mesh = rand.uniform() * healthy < in_mesh
+      if hit_mesh:
+        if t > 0.0:
+          num_failures += 1
+          if not paused and step_s > 0.0:
+            # The step in flight was counted as useful (or stale) so far: move it to lost.
+            in_flight = min((t - run_since) % step_s, t)
+            stale_part = max(0.0, min(t, stale_until) - (t - in_flight)) * rejoin_discount
+            useful -= in_mesh * chips * (in_flight - stale_part)
+            stale -= in_mesh * chips * stale_part
+            lost += in_mesh * chips * in_flight
+        in_mesh -= 1
+      else:
+        waiting -= 1
+      heapq.heappush(repairs, t + rand.duration(repair_s))
+      if not paused:
+        paused, pause_start = True, t
+      # A new (or restarted) re-configuration, without the failed slice.
+      pause_end = t + rand.duration(reconfig_s) if in_mesh + waiting > 0 else inf
+
+  if paused:
+    pauses.append((max(pause_start, 0.0), horizon_s))
+  badput = accounting.empty_badput()
+  badput[accounting.RECONFIGURATION] = reconfig
+  badput[accounting.LOST_PROGRESS] = lost
+  badput[accounting.IDLE_DOWN] = idle
+  badput[accounting.STALE] = stale
+  return accounting.JobTrace(
+      num_chips=num_chips,
+      horizon_s=horizon_s,
+      useful=useful,
+      badput=badput,
+      pauses_Kx2=accounting.pauses_array(pauses),
+      num_failures=num_failures,
+  )

@@ -1,0 +1,85 @@
+r"""Learner throughput with the syncer running vs the same learners with no syncer.
+
+Both variants are built in this process from the same config and run alternately (A B A B ...), so
+that machine noise hits both alike; the figure is the ratio of median learner steps/s, measured in
+the same run. Target (issue 3): >= 0.97.
+
+  python scripts/bench_overhead.py                       # tiny_cpu, 3 pairs of 150-step runs
+  python scripts/bench_overhead.py --repeats=5 --num_steps=300
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+from absl import logging
+
+from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+from experiments import tiny_cpu
+
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Pairs of runs (no syncer, syncer).")
+_NUM_STEPS = flags.DEFINE_integer("num_steps", 150, "Inner steps per learner in each run.")
+_WARMUP = flags.DEFINE_integer("warmup_steps", 10, "Leading steps of each learner left out.")
+_OUT = flags.DEFINE_string("out", "results/bench_overhead.json", "Where to write the result.")
+
+
+def _steps_per_s(run, warmup: int) -> float:
+  """Median over learners of steps / time, after each learner's first `warmup` steps."""
+  rates = sorted(len(l.step_times[warmup:]) / sum(l.step_times[warmup:]) for l in run.learners)
+  return rates[len(rates) // 2] if len(rates) % 2 else sum(rates[len(rates) // 2 - 1:][:2]) / 2
+
+
+def main(argv):
+  del argv
+  config = tiny_cpu.get_config()
+  config.num_steps = _NUM_STEPS.value
+  config.eval_every = 0
+  config.log_every = 10_000
+  devices.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
+  from decoupled_diloco import train  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  cache = os.path.join("/tmp", "decoupled_diloco_jax_cache")
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  start = time.perf_counter()
+  rates = {"no_syncer": [], "syncer": []}
+  merges = []
+  for rep in range(_REPEATS.value):
+    for variant in ("no_syncer", "syncer"):
+      config.workdir = f"/tmp/bench_overhead/{variant}_{rep}"
+      run = train.build(config, with_syncer=variant == "syncer")
+      summary = train.execute(run, progress=False)
+      rates[variant].append(_steps_per_s(run, _WARMUP.value))
+      if variant == "syncer":
+        merges.append(summary["merges"])
+      print(f"repeat {rep} {variant:9s}: {rates[variant][-1]:.3f} learner steps/s"
+            + (f", {summary['merges']} merges" if variant == "syncer" else ""), flush=True)
+  pair_ratios = [s / n for s, n in zip(rates["syncer"], rates["no_syncer"])]
+  ratio = sorted(pair_ratios)[len(pair_ratios) // 2]
+  result = {
+      "ratio_syncer_over_no_syncer": ratio,
+      "pair_ratios": pair_ratios,
+      "steps_per_s": rates,
+      "merges_per_run": merges,
+      "num_learners": config.num_learners,
+      "num_steps": config.num_steps,
+      "target": 0.97,
+      "seconds": time.perf_counter() - start,
+      "machine": f"{os.cpu_count()} CPU cores",
+  }
+  os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
+  with open(_OUT.value, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=2)
+  print(f"learner steps/s with syncer / without: {ratio:.3f} (median of {len(pair_ratios)} pairs "
+        f"{', '.join(f'{r:.3f}' for r in pair_ratios)}; target >= 0.97) -> {_OUT.value}")
+  logging.info("wrote %s", _OUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
