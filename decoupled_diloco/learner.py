@@ -59,6 +59,10 @@ class LearnerOptions:
   lock_step: bool = False
   schedule: schedule_lib.SyncSchedule | None = None  # lock-step modes offer on their own schedule
   alpha: float = 0.0  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
+  # On receiving a merge that took in this learner's offer, keep the steps made since that offer:
+  # theta <- Theta + (theta_now - theta_offered), counters keep those steps. False = the paper's
+  # plain overwrite, which discards them.
+  keep_in_flight_progress: bool = False
   step_delay_s: float = 0.0  # emulated slower hardware
   log_every: int = 25
   wait_timeout_s: float = 600.0  # lock-step only: give up waiting for a merge after this long
@@ -103,6 +107,8 @@ class Learner:
     else:
       self._restore(snapshot, state)
     self._offers_made = np.zeros(num_fragments, np.int64)
+    # fragment -> (step, values, c_steps, c_tokens) of the last offer, for keep_in_flight_progress
+    self._last_offers: dict[int, tuple[int, dict[str, jax.Array], int, int]] = {}
     self._pulls: queue.SimpleQueue[int] = queue.SimpleQueue()
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     self._stop = threading.Event()
@@ -274,6 +280,8 @@ class Learner:
     for array in values.values():
       array.copy_to_host_async()
     self._offers_made[p] += 1
+    self._last_offers[p] = (self.step, values, int(self._counter_steps[p]),
+                            int(self._counter_tokens[p]))
     self._syncer.post(messages.Offer(
         learner=self.index, fragment=p, step=self.step,
         steps=int(self._counter_steps[p]), tokens=int(self._counter_tokens[p]),
@@ -287,17 +295,27 @@ class Learner:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
     params = dict(self._state.params)
     alpha = self._options.alpha
+    offered = self._last_offers.get(p)
+    rebase = (self._options.keep_in_flight_progress and offered is not None
+              and broadcast.merged_offers.get(self.index) == offered[0])
     for name, encoded in broadcast.values.items():
       theta_global = compression.decode(encoded)
       self._anchors[name] = theta_global
       merged = jax.device_put(theta_global, self._shardings[name])
+      if rebase:
+        merged = _rebase(merged, params[name], offered[1][name])
       if alpha:
         merged = _mix(params[name], merged, alpha)
       params[name] = merged
     self._state = self._state._replace(params=params)
     self._anchor_versions[p] = broadcast.version
-    self._counter_steps[p] = 0
-    self._counter_tokens[p] = 0
+    if rebase:
+      # The steps since the offer are still in theta and not yet in any merge.
+      self._counter_steps[p] -= offered[2]
+      self._counter_tokens[p] -= offered[3]
+    else:
+      self._counter_steps[p] = 0
+      self._counter_tokens[p] = 0
 
   # ---- lock-step baselines ----------------------------------------------------------------------
 
@@ -330,6 +348,12 @@ class Learner:
 @jax.jit
 def _mix_impl(local, merged, alpha):
   return alpha * local + (1.0 - alpha) * merged
+
+
+@jax.jit
+def _rebase(merged, now, offered):
+  """Theta + (theta_now - theta_offered): the merge, plus what the learner did since its offer."""
+  return merged + (now - offered)
 
 
 def _mix(local, merged, alpha: float):

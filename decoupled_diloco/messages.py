@@ -69,6 +69,9 @@ class Broadcast:
   fragment: int
   version: int
   values: dict[str, compression.Encoded]
+  # learner -> step of its offer that this merge took in; lets a learner with
+  # keep_in_flight_progress re-apply the steps it made after that offer.
+  merged_offers: dict[int, int] = dataclasses.field(default_factory=dict)
 
   @property
   def nbytes(self) -> int:

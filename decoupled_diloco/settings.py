@@ -180,6 +180,9 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   _check_choice(config, "merge.weighting", merge.WEIGHTINGS)
   _check_choice(config, "merge.anchor", ANCHORS)
   _check_float(config, "merge.alpha", 0.0, 1.0, high_open=True)
+  if not isinstance(_get(config, "merge.keep_in_flight_progress"), bool):
+    _fail("merge.keep_in_flight_progress", config.merge.keep_in_flight_progress,
+          "must be True or False")
   # The factories check their own fields and name them.
   outer.make_outer_optimizer(config.outer.name, config.outer.learning_rate, config.outer.momentum)
   _check_choice(config, "compression.outer_grad", compression.FORMATS)

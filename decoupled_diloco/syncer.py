@@ -370,7 +370,7 @@ class Syncer:
       version = self._versions[p]
       live = sorted(self._live)
     self._remember(p, version, received, live)
-    broadcast = messages.Broadcast(p, version, wire)
+    broadcast = messages.Broadcast(p, version, wire, {o.learner: o.step for o in offers})
     for m in live:
       self._learners[m].deliver(broadcast)
     sync_s = time.monotonic() - start

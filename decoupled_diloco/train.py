@@ -76,6 +76,7 @@ def build(config: ml_collections.ConfigDict, *,
       lock_step=bool(sync and sync.lock_step),
       schedule=sync.schedule if sync else None,
       alpha=config.merge.alpha,
+      keep_in_flight_progress=config.merge.keep_in_flight_progress,
       log_every=config.log_every,
   )
   built, graphdef, initial = [], None, None

@@ -22,6 +22,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
 from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.sim import bandwidth
 from experiments import tiny_cpu
 
 _FORMATS = flags.DEFINE_list("formats", ["bf16", "int4"], "Outer-gradient wire formats to run.")
@@ -34,9 +35,8 @@ _BROADCAST = "bf16"
 
 
 def dp_ring_bytes_per_step(num_params: int, num_workers: int, grad_bytes: int) -> int:
-  """Bytes one DP worker sends plus receives per step in a ring all-reduce (reduce-scatter +
-  all-gather): 2 * 2 (n - 1) / n * N * b."""
-  return int(2 * 2 * (num_workers - 1) / num_workers * num_params * grad_bytes)
+  """Bytes one DP worker sends plus receives per step in a ring all-reduce: twice what it sends."""
+  return int(2 * bandwidth.dp_ring_allreduce_bytes_per_step(num_params, num_workers, grad_bytes))
 
 
 def main(argv):
@@ -53,16 +53,24 @@ def main(argv):
     config.compression.outer_grad = fmt
     config.compression.broadcast = _BROADCAST
     config.workdir = f"/tmp/bench_bandwidth/{fmt}"
-    summary = train.train_and_evaluate(config)
+    run = train.build(config)
+    summary = train.execute(run, progress=False)
     steps = sum(summary["learner_steps"])
     n, params = summary["num_learners"], summary["num_params"]
-    per_step = summary["bytes_learner_syncer"] / steps
+    # Steady state: the merges during training, not the full-model flush after the last step.
+    in_training = [d for d in run.syncer.tape if not d["final"]]
+    up = sum(d["bytes_up"] for d in in_training) / steps
+    down = sum(d["bytes_down"] for d in in_training) / steps
+    per_step = up + down
     row = {
         "outer_grad": fmt, "broadcast": _BROADCAST, "num_params": params,
         "num_fragments": summary["num_fragments"], "num_learners": n,
         "bytes_per_learner_step": per_step,
-        "up_per_learner_step": summary["bytes_learner_to_syncer"] / steps,
-        "down_per_learner_step": summary["bytes_syncer_to_learners"] / steps,
+        "up_per_learner_step": up,
+        "down_per_learner_step": down,
+        "mean_learners_per_merge": sum(len(d["learners"]) for d in in_training) / len(in_training),
+        "model_full_participation": bandwidth.bytes_per_inner_step(
+            params, summary["num_fragments"], fmt, _BROADCAST, config.compression.block_size),
         "dp_fp32_bytes_per_step": dp_ring_bytes_per_step(params, n, 4),
         "dp_bf16_bytes_per_step": dp_ring_bytes_per_step(params, n, 2),
         "merges": summary["merges"], "final_eval_loss": summary["final_eval_loss"],
@@ -81,9 +89,14 @@ def main(argv):
                  f"({r['up_per_learner_step']:,.0f} + {r['down_per_learner_step']:,.0f}) | "
                  f"{r['dp_fp32_bytes_per_step']:,} | {r['reduction_vs_dp_fp32']:.1f} | "
                  f"{r['dp_bf16_bytes_per_step']:,} | {r['reduction_vs_dp_bf16']:.1f} |")
+  participation = ", ".join(f"{r['mean_learners_per_merge']:.2f}" for r in rows)
+  model = ", ".join(f"{r['model_full_participation']:,.0f}" for r in rows)
   lines.append(f"\n{rows[0]['num_params']:,} parameters, P = {rows[0]['num_fragments']}, "
                f"M = {rows[0]['num_learners']} learners (DP: as many workers), K = 1: a learner "
-               f"left out of a round sends nothing for it. {seconds:.0f} s.")
+               f"left out of a round sends nothing for it (mean learners per merge: "
+               f"{participation}). Merges during training only; the final full-model flush is "
+               f"left out. sim.bandwidth's model with every learner in every round: {model} B per "
+               f"learner step. {seconds:.0f} s.")
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value + ".json", "w", encoding="utf-8") as f:
     json.dump({"rows": rows, "seconds": seconds, "targets": {"bf16": 24, "int4": 90}}, f, indent=2)

@@ -164,3 +164,72 @@ def test_measured_bytes_per_step_match_the_bandwidth_model(tmp_path):
     measured = (d["bytes_up"] + d["bytes_down"]) / 4
     model = bandwidth.bytes_per_inner_step(fragment.num_params, 1, "int4", "bf16", 64)
     assert measured == pytest.approx(model, rel=0.05), (d, fragment)
+
+
+def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_path):
+  """Stop a learner mid-run, restart a new one from its snapshot (train state, data position,
+  counters): it ends exactly where an uninterrupted learner ends."""
+  from decoupled_diloco import learner as learner_lib  # pylint: disable=g-import-not-at-top
+
+  reference = train.build(tiny_config(tmp_path / "reference", mode="dp"))
+  train.execute(reference, progress=False)
+
+  stopped = train.build(tiny_config(tmp_path / "stopped", mode="dp"))
+  first = stopped.learners[0]
+  first._step_hook = lambda _, step: first.stop() if step == 9 else None
+  first.start()
+  first.join()
+  snapshot = first.snapshot()
+  assert snapshot.step == first.step == 10
+
+  fresh = train.build(tiny_config(tmp_path / "fresh", mode="dp")).learners[0]
+  resumed = learner_lib.Learner(
+      0, train_step=fresh._train_step, state=fresh._state, param_shardings=fresh._shardings,
+      batches=fresh._batches, fragments=(), options=fresh._options, snapshot=snapshot)
+  assert resumed.step == 10
+  resumed.start()
+  resumed.finished_training.wait(60)
+  resumed.release()
+  resumed.join()
+  assert resumed.step == 24
+  want = jax.device_get(reference.learners[0].params())
+  got = jax.device_get(resumed.params())
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("keep,taken_in,expected_shift,expected_steps", [
+    (True, True, 1.0, 2),    # Theta + (theta_now - theta_offered); 2 steps since the offer remain
+    (True, False, 0.0, 0),   # the merge did not take this learner's offer: plain overwrite
+    (False, True, 0.0, 0),   # the paper's overwrite discards the steps since the offer
+])
+def test_receive_overwrites_or_keeps_in_flight_progress(tmp_path, keep, taken_in, expected_shift,
+                                                        expected_steps):
+  from decoupled_diloco import messages  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco import compression  # pylint: disable=g-import-not-at-top
+
+  run = train.build(tiny_config(tmp_path))
+  learner = run.learners[0]
+  learner._options = learner._options.__class__(**{**learner._options.__dict__,
+                                                   "keep_in_flight_progress": keep})
+  posted = []
+  learner._syncer = type("Stub", (), {"post": lambda self, m: posted.append(m)})()
+  fragment = run.fragments[1]
+  learner._counter_steps[1], learner._counter_tokens[1] = 5, 500
+  learner._offer(1, learner._state)
+  offer_step = posted[-1].step
+  # Two more steps' worth of progress on the fragment: +1.0 on every value, 2 steps, 200 tokens.
+  params = dict(learner._state.params)
+  for name in fragment.names:
+    params[name] = params[name] + 1.0
+  learner._state = learner._state._replace(params=params)
+  learner._counter_steps[1], learner._counter_tokens[1] = 7, 700
+  theta = {n: np.full(run.syncer._theta[1][n].shape, 0.25, np.float32) for n in fragment.names}
+  merged_offers = {0: offer_step} if taken_in else {1: 3}
+  learner._apply(messages.Broadcast(1, 1, compression.encode_tree(theta, "fp32"), merged_offers))
+  got = jax.device_get(learner.params())
+  for name in fragment.names:
+    np.testing.assert_allclose(got[name], 0.25 + expected_shift, rtol=0, atol=1e-6)
+  assert learner._counter_steps[1] == expected_steps
+  assert learner._counter_tokens[1] == expected_steps * 100
+  run.metrics.close()
