@@ -175,8 +175,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   syncer_devices = _check_int(config, "syncer.num_devices", 1)
 
   sync = _resolve_sync(config, mode, num_learners)
-  merge_rule = _check_choice(config, "merge.rule", merge.MERGE_RULES)
-  del merge_rule
+  _check_choice(config, "merge.rule", merge.MERGE_RULES)
   _check_choice(config, "merge.weighting", merge.WEIGHTINGS)
   _check_choice(config, "merge.anchor", ANCHORS)
   _check_float(config, "merge.alpha", 0.0, 1.0, high_open=True)

@@ -207,10 +207,11 @@ def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
 
 def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
   losses = " ".join(f"{l.losses[-1]:.3f}" if l.losses else "-" for l in run.learners)
+  tokens_per_step = run.settings.learner_batch_size * run.config.data.seq_len
   rates = " ".join(
-      f"{np.mean(l.step_times[-run.config.log_every:]) ** -1:.2f}" if l.step_times else "-"
-      for l in run.learners)
-  line = f"step {clock}/{run.config.num_steps} | loss {losses} | steps/s {rates}"
+      f"{tokens_per_step / np.mean(l.step_times[-run.config.log_every:]) / 1e3:.1f}k"
+      if l.step_times else "-" for l in run.learners)
+  line = f"step {clock}/{run.config.num_steps} | loss {losses} | tokens/s {rates}"
   if run.syncer is not None:
     stats = run.syncer.stats
     line += (f" | merges {stats.merges} | MB to/from syncer "
