@@ -23,13 +23,15 @@ def _run(tmp_path, **overrides):
 
 
 def test_decoupled_run_trains_merges_and_writes_its_summary(tmp_path):
-  run, summary = _run(tmp_path, syncer__num_devices=2)
+  # 96 steps: enough for the global model to be clearly trained (it ends at 3.1-3.3 nats/byte
+  # over repeated runs; 24 steps leave it near 4.0-4.4, too close to a threshold).
+  run, summary = _run(tmp_path, syncer__num_devices=2, num_steps=96)
   assert summary["mode"] == "decoupled"
-  assert summary["learner_steps"] == [24] * 4
-  assert summary["tokens_trained"] == 4 * 24 * 4 * 32
+  assert summary["learner_steps"] == [96] * 4
+  assert summary["tokens_trained"] == 4 * 96 * 4 * 32
   assert summary["learner_errors"] == [None] * 4
-  # The global model learned: well under the uniform-byte loss ln(256) = 5.55 nats.
-  assert summary["final_eval_loss"] < 4.5
+  # The global model learned: far under the uniform-byte loss ln(256) = 5.55 nats.
+  assert summary["final_eval_loss"] < 4.0
   assert summary["merges"] == len(run.syncer.tape) > 0
   # Every fragment was merged at least once (the final flush guarantees it).
   assert {d["fragment"] for d in run.syncer.tape} == set(range(4))
