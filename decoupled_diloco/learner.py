@@ -114,11 +114,9 @@ class Learner:
     self._stop = threading.Event()
     self._release = threading.Event()  # after num_steps: keep serving the syncer until released
     self.finished_training = threading.Event()
-    self.exited = threading.Event()
     self.error: BaseException | None = None
     self.losses: list[float] = []
     self.step_times: list[float] = []
-    self.bytes_received = 0
     self._tokens_per_step = 0
     self._thread = threading.Thread(target=self._run, name=f"learner-{index}", daemon=True)
 
@@ -198,7 +196,6 @@ class Learner:
       self.error = err
       logging.error("learner %d failed at step %d: %s", self.index, self.step, error)
     finally:
-      self.exited.set()
       self.finished_training.set()
       if self._syncer is not None:
         self._syncer.post(messages.LearnerExit(self.index, self.step, error))
@@ -290,7 +287,6 @@ class Learner:
 
   def _apply(self, broadcast: messages.Broadcast) -> None:
     p = broadcast.fragment
-    self.bytes_received += broadcast.nbytes
     if broadcast.version <= self._anchor_versions[p]:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
     params = dict(self._state.params)

@@ -232,13 +232,13 @@ class Syncer:
       message = self._inbox.get(timeout=timeout)
     except queue.Empty:
       return
-    while message is not None or not self._inbox.empty():
+    while True:  # drain what is queued; None is only a wake-up
       if message is not None:
         self._handle(message)
       try:
         message = self._inbox.get_nowait()
       except queue.Empty:
-        break
+        return
 
   def _handle(self, message: Any) -> None:
     if isinstance(message, messages.StepReport):

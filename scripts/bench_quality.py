@@ -56,12 +56,7 @@ def main(argv):
   for mode in _MODES.value:
     config = base.copy_and_resolve_references()
     config.mode, overrides = VARIANTS.get(mode, (mode, {}))
-    for key, value in overrides.items():
-      node = config
-      *parents, leaf = key.split(".")
-      for parent in parents:
-        node = node[parent]
-      node[leaf] = value
+    config.update_from_flattened_dict(overrides)
     config.num_steps = _NUM_STEPS.value
     config.eval_every = 0
     config.workdir = f"/tmp/bench_quality/{mode}"

@@ -37,12 +37,7 @@ def tiny_config(workdir, **overrides):
   config.sync.period = 4
   config.sync.overlap = 1
   config.inner.warmup_steps = 4
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split("__")
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
+  config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
   return config
 
 

@@ -9,12 +9,7 @@ from experiments import tiny_cpu
 
 def _config(**fields):
   config = tiny_cpu.get_config()
-  for key, value in fields.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
+  config.update_from_flattened_dict(fields)
   return config
 
 
