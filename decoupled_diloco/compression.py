@@ -120,7 +120,8 @@ def encode(x: np.ndarray, fmt: str, block_size: int = 64) -> Encoded:
   _check(fmt, block_size)
   x = np.asarray(x)
   shape = tuple(x.shape)
-  x_N = x.astype(np.float32).reshape(-1)
+  # No copy for float32 input: encoded payloads and decoded values are never written in place.
+  x_N = np.asarray(x, np.float32).reshape(-1)
   if fmt == "fp32":
     return Encoded(fmt, shape, (x_N,), block_size)
   if fmt == "bf16":
@@ -138,7 +139,7 @@ def decode(enc: Encoded) -> np.ndarray:
   _check(enc.fmt, enc.block_size)
   n = math.prod(enc.shape)
   if enc.fmt in ("fp32", "bf16"):
-    x_N = enc.payload[0].astype(np.float32)
+    x_N = np.asarray(enc.payload[0], np.float32)
   else:
     values, scale_B = enc.payload
     q_N = values if enc.fmt == "int8" else _unpack_int4(values, n)

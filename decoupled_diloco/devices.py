@@ -85,8 +85,3 @@ def build_meshes(
     syncer_mesh = Mesh(np.array(syncer_chunk), (SYNCER_AXIS,))
   return learner_meshes, syncer_mesh
 
-
-def single_device_mesh(mesh: Mesh) -> Mesh:
-  """A (1, 1) learner-style mesh on the first device of `mesh`: evaluates the syncer's global model
-  where it lives, without touching any learner's devices."""
-  return Mesh(np.array(mesh.devices.flat[:1]).reshape(1, 1), LEARNER_AXES)

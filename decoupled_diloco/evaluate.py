@@ -1,4 +1,4 @@
-"""Held-out loss of a set of parameters, on the mesh where those parameters live (or are copied to)."""
+"""Held-out loss of a set of parameters, on the mesh where the model lives (a learner's)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from decoupled_diloco import model as model_lib
 
 
 class Evaluator:
-  """Mean cross-entropy in nats per token over fixed held-out batches."""
+  """Mean cross-entropy in nats per token over fixed held-out batches, on `mesh`.
+
+  Parameters are placed with the learner's own shardings (`model.param_shardings`), so a model that
+  is tensor-parallel on its learner is tensor-parallel here too. Batches are split over the mesh's
+  data axis when their size allows, else every data replica evaluates the whole batch: every mode
+  then evaluates the very same sequences, whatever its mesh.
+  """
 
   def __init__(self, graphdef, model_cfg: model_lib.ModelConfig, mesh: Mesh,
                batches: Sequence[dict[str, np.ndarray]]):
@@ -21,9 +27,19 @@ class Evaluator:
       raise ValueError("config.eval_batches: the held-out split yields no batch; lower "
                        "config.data.batch_size or config.data.seq_len, or raise "
                        "config.data.eval_fraction")
+    self.mesh = mesh
+    self._model_cfg = model_cfg
     self._shardings = model_lib.param_shardings(model_cfg, mesh)
-    self._step = inner.make_eval_step(graphdef, mesh, self._shardings)
     self._batches = list(batches)
+    rows = self._batches[0]["inputs"].shape[0]
+    self._step = inner.make_eval_step(graphdef, mesh, self._shardings,
+                                      batch_sharded=rows % mesh.shape["data"] == 0)
+
+  def compile(self) -> None:
+    """Compiles the eval step ahead of time, so the build reports what it costs."""
+    params = model_lib.param_shapes(self._model_cfg)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._batches[0].items()}
+    self._step = self._step.lower(params, batch).compile()
 
   def __call__(self, params: Mapping[str, np.ndarray | jax.Array]) -> float:
     placed = {n: jax.device_put(v, self._shardings[n]) for n, v in params.items()}

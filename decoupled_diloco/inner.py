@@ -174,9 +174,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
-                   param_shardings: dict[str, NamedSharding]
+                   param_shardings: dict[str, NamedSharding], *, batch_sharded: bool = True
                    ) -> Callable[[dict[str, jax.Array], dict[str, Any]], tuple[jax.Array, jax.Array]]:
-  """Jitted (params, batch) -> (sum of nats, number of tokens), to be summed over eval batches."""
+  """Jitted (params, batch) -> (sum of nats, number of tokens), to be summed over eval batches.
+
+  `batch_sharded=False` replicates the batch over the data axis (for a batch that does not divide
+  it); the model axis still splits the model.
+  """
 
   def eval_step(params: dict[str, jax.Array], batch: dict[str, jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:
@@ -185,8 +189,10 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
     return jnp.sum(nats_BxL), jnp.asarray(nats_BxL.size, jnp.int32)
 
   replicated = _replicated(mesh)
+  batch_shardings = (_batch_shardings(mesh) if batch_sharded
+                     else {"inputs": replicated, "targets": replicated})
   return jax.jit(
       eval_step,
-      in_shardings=(dict(param_shardings), _batch_shardings(mesh)),
+      in_shardings=(dict(param_shardings), batch_shardings),
       out_shardings=(replicated, replicated),
   )

@@ -1,14 +1,25 @@
 """One learner: an ordinary data-parallel training job on its own mesh, run in its own thread.
 
-Between two inner steps a learner (1) applies the merged fragments that arrived, (2) answers the
-syncer's pulls with references to its current fragment values, whose copy to host RAM runs
-asynchronously, and (3) posts step metadata. All three are non-blocking: in the decoupled mode a
-learner never waits for the syncer or a peer (spec §2). Only the lock-step baselines (diloco,
-streaming) wait, by design, for each merge to come back tau steps after it started.
+Between two inner steps a learner (1) applies the merged fragments that arrived, (2) dispatches the
+next step, (3) once the previous step has completed, *publishes* that completed state and posts the
+step's metadata. None of this waits for the syncer: in the decoupled mode a learner never waits for
+the syncer or a peer (spec §2). The syncer takes a fragment from the latest publication whenever it
+wants one (`offer`, called on the syncer's thread), so a pull never waits for the learner's next step
+boundary. Only the lock-step baselines (diloco, streaming) wait, by design, for each merge to come
+back tau steps after it started.
 
-The learner keeps, per fragment p, the counters c_steps / c_tokens since it last received p and the
-host copy of that received Theta_p (its anchor, spec §5). `snapshot()` captures everything needed to
-start it again from the same point, which the chaos and rejoin work builds on.
+The learner keeps, per fragment p, the counters c_steps / c_tokens of its steps not yet merged, the
+step `since` where those steps start, and the host copy of the Theta_p it last received (its anchor,
+spec §5). It also remembers every offer the syncer took, so that a broadcast, which names the offer
+it merged, tells it exactly which of its steps are now in Theta_p:
+
+- overwrite (the paper, alpha = 0): theta_p <- Theta_p; the steps made since the merged offer are
+  dropped (counted in `discarded_fragment_steps`);
+- keep_in_flight_progress: theta_p <- Theta_p + (the steps not merged yet), so no step is lost. A
+  learner that made its last step always keeps them: nothing would replace them, and the final flush
+  merges them.
+
+`snapshot()` captures everything needed to start it again from the same point.
 """
 
 from __future__ import annotations
@@ -29,8 +40,8 @@ from decoupled_diloco import compression
 from decoupled_diloco import fragments as fragments_lib
 from decoupled_diloco import inner
 from decoupled_diloco import messages
-from decoupled_diloco import schedule as schedule_lib
 from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import schedule as schedule_lib
 
 
 class SyncerLink(Protocol):
@@ -49,6 +60,7 @@ class LearnerSnapshot:
   data_state: Any  # the grain iterator's get_state()
   counter_steps: np.ndarray  # [P]
   counter_tokens: np.ndarray  # [P]
+  since: np.ndarray  # [P]
   anchors: dict[str, np.ndarray]
   anchor_versions: np.ndarray  # [P]
 
@@ -59,9 +71,8 @@ class LearnerOptions:
   lock_step: bool = False
   schedule: schedule_lib.SyncSchedule | None = None  # lock-step modes offer on their own schedule
   alpha: float = 0.0  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
-  # On receiving a merge that took in this learner's offer, keep the steps made since that offer:
-  # theta <- Theta + (theta_now - theta_offered), counters keep those steps. False = the paper's
-  # plain overwrite, which discards them.
+  # On receiving a merge, keep the steps no merge has taken yet: theta <- Theta + (those steps), and
+  # the counters keep them. False = the paper's plain overwrite, which drops them.
   keep_in_flight_progress: bool = False
   step_delay_s: float = 0.0  # emulated slower hardware
   log_every: int = 25
@@ -69,7 +80,7 @@ class LearnerOptions:
 
 
 class Learner:
-  """Trains on its own mesh in a thread; talks to the syncer only through non-blocking queues."""
+  """Trains on its own mesh in a thread; talks to the syncer only through non-blocking calls."""
 
   def __init__(
       self,
@@ -101,23 +112,27 @@ class Learner:
       self._state = state
       self._counter_steps = np.zeros(num_fragments, np.int64)
       self._counter_tokens = np.zeros(num_fragments, np.int64)
+      self._since = np.zeros(num_fragments, np.int64)
       host = jax.device_get(state.params)
       self._anchors = {name: np.asarray(v, np.float32) for name, v in host.items()}
       self._anchor_versions = np.zeros(num_fragments, np.int64)
     else:
       self._restore(snapshot, state)
-    self._offers_made = np.zeros(num_fragments, np.int64)
-    # fragment -> (step, values, c_steps, c_tokens) of the last offer, for keep_in_flight_progress
-    self._last_offers: dict[int, tuple[int, dict[str, jax.Array], int, int]] = {}
-    self._pulls: queue.SimpleQueue[int] = queue.SimpleQueue()
+    self._offers_made = np.zeros(num_fragments, np.int64)  # lock-step: offers pushed per fragment
+    self._lock = threading.Lock()  # guards _taken, written by the syncer's thread in offer()
+    self._taken: dict[int, dict[int, messages.Offer]] = {p: {} for p in range(num_fragments)}
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
+    self._finished = False  # made its last step: from then on merges keep unmerged steps
     self._stop = threading.Event()
     self._release = threading.Event()  # after num_steps: keep serving the syncer until released
     self.finished_training = threading.Event()
     self.error: BaseException | None = None
     self.losses: list[float] = []
     self.step_times: list[float] = []
-    self._tokens_per_step = 0
+    # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
+    # taken by any merge): the compute the paper's overwrite discards.
+    self.discarded_fragment_steps = 0
+    self._published: messages.Publication = self._publication(self._state)
     self._thread = threading.Thread(target=self._run, name=f"learner-{index}", daemon=True)
 
   # ---- called from other threads -------------------------------------------------------------
@@ -125,9 +140,22 @@ class Learner:
   def start(self) -> None:
     self._thread.start()
 
-  def request(self, fragment: int) -> None:
-    """The syncer pulls fragment p: answered at the next step boundary."""
-    self._pulls.put(fragment)
+  def offer(self, p: int, merged_through: int) -> messages.Offer | messages.Answer:
+    """The syncer takes fragment p from the latest publication (called on the syncer's thread).
+
+    `merged_through` is the last step of this learner that a merge of p has taken in. A publication
+    whose unmerged steps start before it still holds those merged steps (their broadcast has not
+    been applied yet): it is STALE, and the syncer asks again after the learner's next publication.
+    """
+    published = self._published
+    if published.since[p] < merged_through:
+      return messages.Answer.STALE
+    if published.counter_steps[p] == 0:
+      return messages.Answer.NOTHING
+    offer = self._offer_from(published, p)
+    with self._lock:
+      self._taken[p][offer.step] = offer
+    return offer
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
     """A merged Theta_p arrives: applied at the next step boundary."""
@@ -149,9 +177,13 @@ class Learner:
   def alive(self) -> bool:
     return self._thread.is_alive() and self.error is None
 
+  @property
+  def published(self) -> messages.Publication:
+    return self._published
+
   def params(self) -> dict[str, jax.Array]:
-    """References to the current parameters (for evaluation; never blocks the learner)."""
-    return dict(self._state.params)
+    """References to the latest published parameters (for evaluation; never blocks the learner)."""
+    return dict(self._published.params)
 
   def snapshot(self) -> LearnerSnapshot:
     """Host copy of the whole state. Call only while the learner's thread is not running."""
@@ -163,6 +195,7 @@ class Learner:
         data_state=self._batches.get_state() if hasattr(self._batches, "get_state") else None,
         counter_steps=self._counter_steps.copy(),
         counter_tokens=self._counter_tokens.copy(),
+        since=self._since.copy(),
         anchors=dict(self._anchors),
         anchor_versions=self._anchor_versions.copy(),
     )
@@ -177,6 +210,7 @@ class Learner:
     self.step = snapshot.step
     self._counter_steps = snapshot.counter_steps.copy()
     self._counter_tokens = snapshot.counter_tokens.copy()
+    self._since = snapshot.since.copy()
     self._anchors = dict(snapshot.anchors)
     self._anchor_versions = snapshot.anchor_versions.copy()
 
@@ -184,12 +218,16 @@ class Learner:
     error = None
     try:
       self._train()
+      if not self._stop.is_set():
+        self._finished = True
+        self._publish(self._state)
+        if self._syncer is not None:
+          self._syncer.post(messages.TrainingDone(self.index, self.step))
       self.finished_training.set()
       while not self._release.is_set():
-        # After the last step the learner still answers pulls and takes merges (the final flush).
-        self._serve()
-        self._release.wait(0.005)
-      self._serve()
+        # After the last step the learner still serves offers and takes merges (the final flush).
+        self._serve(timeout=0.02)
+      self._serve(timeout=0.0)
     except BaseException as err:  # pylint: disable=broad-except
       # A failed learner just stops contributing (spec §6): report it, never raise into others.
       error = f"{type(err).__name__}: {err}"
@@ -202,47 +240,51 @@ class Learner:
 
   def _train(self) -> None:
     opts = self._options
-    in_flight = None  # metrics of the last dispatched step, read after the next one is dispatched
+    in_flight = None  # (step, tokens, metrics) of the last dispatched step
     last_done = time.perf_counter()
     while self.step < opts.num_steps and not self._stop.is_set():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
       self._apply_arrived()
-      current = self._state  # the state after step self.step (its step may still be running)
+      current = self._state  # after step self.step, merges applied (its step may still run)
       batch = next(self._batches)
-      self._tokens_per_step = int(batch["targets"].size)
+      tokens = int(batch["targets"].size)
       self._state, step_metrics = self._train_step(current, batch)
-      # Reading the previous step's loss after dispatching this one keeps the devices busy
-      # (nanodo's pattern); a step's time is the time between two completed steps.
+      # The previous step's loss is read after this one is dispatched, which keeps the devices
+      # busy (nanodo's pattern); a step's time is the time between two completed steps. Once it
+      # has completed, `current` is a completed state: publish it with the counters that
+      # describe it.
       if in_flight is not None:
-        last_done = self._finish_step(in_flight, self.step, last_done)
-      # `current` is complete now: pulls get it, so their copies to host RAM land at once and
-      # the counters still describe it.
-      self._answer_pulls(current)
+        last_done = self._complete(in_flight, last_done, current)
+      else:
+        self._publish(current)
       self.step += 1
       self._counter_steps += 1
-      self._counter_tokens += self._tokens_per_step
-      in_flight = step_metrics
+      self._counter_tokens += tokens
+      in_flight = (self.step, tokens, step_metrics)
       if opts.step_delay_s:
         time.sleep(opts.step_delay_s)
       if opts.lock_step:
-        self._offer_due_fragments()
+        self._push_due_offers()
         self._wait_for_due_merges()
     if in_flight is not None:
-      self._finish_step(in_flight, self.step, last_done)
+      self._complete(in_flight, last_done, self._state)
 
-  def _finish_step(self, step_metrics: dict, step: int, last_done: float) -> float:
-    """Waits for `step` to complete, records it and posts its metadata; returns its end time."""
+  def _complete(self, in_flight, last_done: float, state: inner.TrainState) -> float:
+    """Waits for a dispatched step, records it, publishes `state` and reports; returns its end."""
+    step, tokens, step_metrics = in_flight
     loss = float(step_metrics["loss"])
     now = time.perf_counter()
     step_time = now - last_done
     self.losses.append(loss)
     self.step_times.append(step_time)
+    published = self._publish(state)
     if self._syncer is not None:
-      self._syncer.post(messages.StepReport(self.index, step, step_time, self._tokens_per_step))
+      self._syncer.post(messages.StepReport(self.index, step, step_time, tokens,
+                                            published.anchor_versions))
     every = self._options.log_every
     if self._metrics is not None and (step % every == 0 or step == 1):
-      tokens_per_s = self._tokens_per_step / float(np.mean(self.step_times[-every:]))
+      tokens_per_s = tokens / float(np.mean(self.step_times[-every:]))
       self._metrics.write(
           "learner", {"learner": self.index, "step": step, "loss": loss,
                       "tokens_per_s": tokens_per_s},
@@ -250,10 +292,38 @@ class Learner:
                               f"learner_{self.index}/tokens_per_s": tokens_per_s})
     return now
 
-  def _serve(self) -> None:
-    """Apply arrived merges, then answer pulls: both between steps, neither blocks."""
+  def _publication(self, state: inner.TrainState) -> messages.Publication:
+    return messages.Publication(
+        step=self.step, params=dict(state.params), since=self._since.copy(),
+        counter_steps=self._counter_steps.copy(), counter_tokens=self._counter_tokens.copy(),
+        anchor_versions=self._anchor_versions.copy(), anchors=dict(self._anchors),
+        training=not self._finished)
+
+  def _publish(self, state: inner.TrainState) -> messages.Publication:
+    self._published = self._publication(state)
+    return self._published
+
+  def _offer_from(self, published: messages.Publication, p: int) -> messages.Offer:
+    names = self._fragments[p].names
+    values = {name: published.params[name] for name in names}
+    for array in values.values():
+      if hasattr(array, "copy_to_host_async"):
+        array.copy_to_host_async()  # the pull: runs while the learner computes
+    return messages.Offer(
+        learner=self.index, fragment=p, step=published.step, since=int(published.since[p]),
+        steps=int(published.counter_steps[p]), tokens=int(published.counter_tokens[p]),
+        anchor_version=int(published.anchor_versions[p]), values=values,
+        anchor={name: published.anchors[name] for name in names})
+
+  def _serve(self, timeout: float) -> None:
+    """Applies the merges that arrived (waiting up to `timeout` for one), then publishes."""
+    try:
+      broadcast = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+    except queue.Empty:
+      return
+    self._apply(broadcast)
     self._apply_arrived()
-    self._answer_pulls(self._state)
+    self._publish(self._state)
 
   def _apply_arrived(self) -> None:
     while True:
@@ -262,62 +332,102 @@ class Learner:
       except queue.Empty:
         return
 
-  def _answer_pulls(self, state: inner.TrainState) -> None:
-    while True:
-      try:
-        fragment = self._pulls.get_nowait()
-      except queue.Empty:
-        return
-      self._offer(fragment, state)
-
-  def _offer(self, p: int, state: inner.TrainState | None = None) -> None:
-    frag = self._fragments[p]
-    params = (state or self._state).params
-    values = {name: params[name] for name in frag.names}
-    for array in values.values():
-      array.copy_to_host_async()
-    self._offers_made[p] += 1
-    self._last_offers[p] = (self.step, values, int(self._counter_steps[p]),
-                            int(self._counter_tokens[p]))
-    self._syncer.post(messages.Offer(
-        learner=self.index, fragment=p, step=self.step,
-        steps=int(self._counter_steps[p]), tokens=int(self._counter_tokens[p]),
-        anchor_version=int(self._anchor_versions[p]), values=values,
-        anchor={name: self._anchors[name] for name in frag.names}))
-
   def _apply(self, broadcast: messages.Broadcast) -> None:
     p = broadcast.fragment
     if broadcast.version <= self._anchor_versions[p]:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
+    taken, unknown = self._merged_record(p, broadcast.merged_offers.get(self.index))
+    keep = (self._options.keep_in_flight_progress or self._finished) and not unknown
     params = dict(self._state.params)
-    alpha = self._options.alpha
-    offered = self._last_offers.get(p)
-    rebase = (self._options.keep_in_flight_progress and offered is not None
-              and broadcast.merged_offers.get(self.index) == offered[0])
+    anchors = dict(self._anchors)
     for name, encoded in broadcast.values.items():
       theta_global = compression.decode(encoded)
-      self._anchors[name] = theta_global
-      merged = jax.device_put(theta_global, self._shardings[name])
-      if rebase:
-        merged = _rebase(merged, params[name], offered[1][name])
-      if alpha:
-        merged = _mix(params[name], merged, alpha)
+      if keep and taken is not None:
+        # The merge took this learner's steps up to the offer: keep those after it. Progress is
+        # relative to an anchor, and the offer's may be older than the current one (a merge
+        # without this learner was applied since): theta <- Theta + (theta - A) - (theta_o - A_o).
+        base = theta_global
+        if taken.anchor_version != self._anchor_versions[p]:
+          base = theta_global - self._anchors[name] + taken.anchor[name]
+        merged = self._rebase(base, params[name], taken.values[name], name)
+      elif keep:
+        # None of the unmerged steps is in this merge: move onto Theta_p and keep them all.
+        merged = self._rebase(theta_global, params[name], self._anchors[name], name)
+      else:
+        merged = jax.device_put(theta_global, self._shardings[name])
+      if self._options.alpha:
+        merged = _mix(params[name], merged, self._options.alpha)
       params[name] = merged
+      anchors[name] = theta_global
     self._state = self._state._replace(params=params)
+    self._anchors = anchors
     self._anchor_versions[p] = broadcast.version
-    if rebase:
-      # The steps since the offer are still in theta and not yet in any merge.
-      self._counter_steps[p] -= offered[2]
-      self._counter_tokens[p] -= offered[3]
+    if keep:
+      if taken is not None:
+        self._counter_steps[p] -= taken.steps
+        self._counter_tokens[p] -= taken.tokens
+        self._since[p] = taken.step
     else:
+      merged_steps = taken.steps if taken is not None else 0
+      self.discarded_fragment_steps += int(self._counter_steps[p]) - merged_steps
       self._counter_steps[p] = 0
       self._counter_tokens[p] = 0
+      self._since[p] = self.step
+
+  def _rebase(self, base: np.ndarray, now: jax.Array, offered, name: str) -> jax.Array:
+    """base + (now - offered), placed like the parameter.
+
+    While training it runs on the learner's devices, queued behind the step in flight. After the
+    last step the state is complete and the devices idle: the host does it, which compiles nothing
+    (a device program would be compiled once per tensor shape and learner, for a handful of uses).
+    """
+    if self._finished:
+      now_host = np.asarray(now, np.float32)
+      return jax.device_put(base + (now_host - np.asarray(offered, np.float32)),
+                            self._shardings[name])
+    sharding = self._shardings[name]
+    return _rebase(jax.device_put(base, sharding), now, jax.device_put(offered, sharding))
+
+  def _merged_record(self, p: int, merged_step: int | None
+                     ) -> tuple[messages.Offer | None, bool]:
+    """(the taken offer a broadcast of p merged, if its steps are still unmerged here; unknown).
+
+    Records up to the merged step are dropped: merged now, or never to be merged. A merged offer
+    whose steps an overwrite already dropped here (its step <= since) shares no step with the
+    current progress, so it is as if the merge had not taken this learner.
+    """
+    if merged_step is None:
+      return None, False
+    with self._lock:
+      records = self._taken[p]
+      taken = records.get(merged_step)
+      for step in [s for s in records if s <= merged_step]:
+        del records[step]
+    if taken is None:
+      # Cannot happen while this learner object lives (offer() records before it returns). A
+      # learner restored from a snapshot has no records: dropping its local progress is safe,
+      # keeping it could merge those steps twice.
+      logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has "
+                      "no record of; overwriting", self.index, p, merged_step)
+      return None, True
+    if taken.step <= self._since[p]:
+      return None, False
+    return taken, False
 
   # ---- lock-step baselines ----------------------------------------------------------------------
 
-  def _offer_due_fragments(self) -> None:
-    for p in self._options.schedule.due_fragments(self.step):
-      self._offer(p)
+  def _push_due_offers(self) -> None:
+    """diloco / streaming: offer the fragments due after this step, without being asked."""
+    due = self._options.schedule.due_fragments(self.step)
+    if not due:
+      return
+    published = self._publish(self._state)
+    for p in due:
+      offer = self._offer_from(published, p)
+      with self._lock:
+        self._taken[p][offer.step] = offer
+      self._offers_made[p] += 1
+      self._syncer.post(offer)
 
   def _wait_for_due_merges(self) -> None:
     """diloco / streaming: before step t+1, every fragment whose sync started at t - tau is back."""
@@ -325,20 +435,16 @@ class Learner:
     start = self.step - schedule.overlap
     if start < 1:
       return
-    needed = [p for p in schedule.due_fragments(start)]
     deadline = time.monotonic() + self._options.wait_timeout_s
-    for p in needed:
+    for p in schedule.due_fragments(start):
       while self._anchor_versions[p] < self._offers_made[p]:
         if self._stop.is_set():
           return
-        try:
-          self._apply(self._inbox.get(timeout=0.05))
-        except queue.Empty:
-          if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"learner {self.index}: merge of fragment {p} did not come back within "
-                f"{self._options.wait_timeout_s}s (lock-step mode)") from None
-        self._serve()
+        if time.monotonic() > deadline:
+          raise TimeoutError(
+              f"learner {self.index}: merge of fragment {p} did not come back within "
+              f"{self._options.wait_timeout_s}s (lock-step mode)")
+        self._serve(timeout=0.05)
 
 
 @jax.jit

@@ -1,14 +1,22 @@
 """What travels between learners and the syncer (spec §3).
 
-A learner reports metadata after every step, offers a fragment when the syncer pulls it (or, in the
-lock-step modes, when its own schedule says so), and receives merged fragments. Offers carry device
-array references whose copy to host RAM was started asynchronously; the syncer finishes the copy on its
-own thread, so the learner's compute never waits for a pull.
+A learner reports metadata after every step and *publishes* its latest completed state: references to
+its parameter arrays with, per fragment, the counters and anchor version that describe them. When a
+fragment falls due the syncer takes that fragment from each learner's latest publication at once
+(`LearnerLink.offer`): no round trip through the learner's step loop, and the copy to host RAM of the
+one fragment starts then and runs while the learner computes. Merged fragments travel back as
+`Broadcast`s.
+
+Progress accounting: every offer covers the learner steps (since, step] of one fragment. A merge that
+takes an offer makes those steps part of Theta_p; the syncer records, per learner and fragment, the
+last step merged (`merged_through`) and takes a later offer only if it starts at or after that step,
+so no step is ever merged twice, whatever the order in which broadcasts and pulls meet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import numpy as np
@@ -24,20 +32,60 @@ class StepReport:
   step: int
   step_time_s: float
   tokens: int  # tokens of this step
+  # Per fragment, the version of the Theta_p the learner holds (spec §3's per-fragment metadata):
+  # tells the syncer which versions a learner may still be anchored at.
+  anchor_versions: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingDone:
+  """A learner made its last step; it keeps serving offers and taking merges (the final flush)."""
+
+  learner: int
+  step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerExit:
+  """A learner stopped: finished, stopped on request, or failed with `error`."""
+
+  learner: int
+  step: int
+  error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+  """A learner's latest completed state, as the syncer may take it (spec §3, the host-RAM copy).
+
+  Every field describes the same instant: the parameters after `step` with every merge applied that
+  had arrived by then. Arrays are never written after publication (JAX arrays are immutable and the
+  learner replaces its dicts, never mutates them), so a publication can be read from any thread.
+  """
+
+  step: int
+  params: dict[str, Any]  # device arrays after `step`
+  since: np.ndarray  # [P] the learner step where fragment p's unmerged progress starts
+  counter_steps: np.ndarray  # [P] c_steps[m, p] = step - since
+  counter_tokens: np.ndarray  # [P] c_tokens[m, p]
+  anchor_versions: np.ndarray  # [P] version of the Theta_p the learner last received
+  anchors: dict[str, np.ndarray]  # host copies of those Theta_p
+  training: bool  # False once the learner made its last step
 
 
 @dataclasses.dataclass(frozen=True)
 class Offer:
-  """Learner m's fragment p at one step, for the syncer to merge.
+  """Learner m's fragment p as published after its step `step`, for the syncer to merge.
 
-  `values` are the learner's device arrays at that step (immutable, copying to host already);
-  `anchor` is the host copy of the Theta_p the learner last received, version `anchor_version`.
-  The counters are c_steps[m, p] and c_tokens[m, p] since that receipt.
+  `values` are the learner's device arrays (immutable, copying to host already); `anchor` is the host
+  copy of the Theta_p the learner last received, version `anchor_version`. The counters are
+  c_steps[m, p] and c_tokens[m, p] over the steps (since, step].
   """
 
   learner: int
   fragment: int
   step: int
+  since: int
   steps: int
   tokens: int
   anchor_version: int
@@ -53,13 +101,26 @@ class Offer:
     """Whether the asynchronous copy has landed: the syncer pulls only from host RAM."""
     return all(v.is_ready() if hasattr(v, "is_ready") else True for v in self.values.values())
 
+  @property
+  def nbytes(self) -> int:
+    """Host bytes the syncer holds for this offer once its copy has landed (fp32 values)."""
+    return sum(4 * int(np.prod(v.shape)) for v in self.values.values())
+
+  def outer_gradient(self, name: str) -> np.ndarray:
+    """Delta_m = anchor - theta_m of one tensor, float32."""
+    return self.anchor[name] - np.asarray(self.values[name], dtype=np.float32)
+
   def encode_outer_gradient(self, fmt: str, block_size: int) -> dict[str, compression.Encoded]:
-    """Delta_m = anchor - theta_m, encoded in the wire format (runs on the learner's host CPU)."""
-    return {
-        name: compression.encode(
-            self.anchor[name] - np.asarray(self.values[name], dtype=np.float32), fmt, block_size)
-        for name in sorted(self.values)
-    }
+    """Delta_m encoded in the wire format (runs on the learner's host CPU in a multi-host run)."""
+    return {name: compression.encode(self.outer_gradient(name), fmt, block_size)
+            for name in sorted(self.values)}
+
+
+class Answer(enum.Enum):
+  """Why `LearnerLink.offer` returned no offer."""
+
+  NOTHING = "nothing"  # the publication is current but holds no step on this fragment
+  STALE = "stale"  # a merge of its earlier steps has not been applied yet: ask again later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +130,10 @@ class Broadcast:
   fragment: int
   version: int
   values: dict[str, compression.Encoded]
-  # learner -> step of its offer that this merge took in; lets a learner with
-  # keep_in_flight_progress re-apply the steps it made after that offer.
+  # learner -> step of its offer that this merge took in: the learner keeps (or, under the paper's
+  # overwrite, drops) exactly the steps it made after that offer.
   merged_offers: dict[int, int] = dataclasses.field(default_factory=dict)
 
   @property
   def nbytes(self) -> int:
     return sum(enc.nbytes for enc in self.values.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerExit:
-  """A learner stopped: finished, stopped on request, or failed with `error`."""
-
-  learner: int
-  step: int
-  error: str | None = None

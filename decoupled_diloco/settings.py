@@ -58,9 +58,11 @@ class RunSettings:
   learner_batch_size: int  # sequences per step of each learner
   learner_step_delays_s: tuple[float, ...]  # per learner
   syncer_devices: int  # 0 in dp mode: no syncer
+  syncer_workers: int  # threads that run merges of different fragments at once
   sync: SyncSettings | None  # None in dp mode
   model: model_lib.ModelConfig
   data_path: str
+  stall_timeout_s: float  # fail when no learner steps (or the flush does not end) for this long
 
   @property
   def learner_devices(self) -> int:
@@ -158,6 +160,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   if not isinstance(_get(config, "workdir"), str) or not config.workdir:
     _fail("workdir", config.workdir, "must be a non-empty directory path")
   num_steps = _check_int(config, "num_steps", 1)
+  stall_timeout_s = _check_float(config, "stall_timeout_s", 0.0, low_open=True)
   _check_int(config, "log_every", 1)
   _check_int(config, "eval_every", 0)
   _check_int(config, "eval_batches", 1)
@@ -173,6 +176,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
           f"must be empty or hold num_learners={num_learners} numbers >= 0")
   delays = tuple(float(d) for d in delays) or (0.0,) * num_learners
   syncer_devices = _check_int(config, "syncer.num_devices", 1)
+  syncer_workers = _check_int(config, "syncer.num_workers", 1)
 
   sync = _resolve_sync(config, mode, num_learners)
   _check_choice(config, "merge.rule", merge.MERGE_RULES)
@@ -233,7 +237,9 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       learner_batch_size=batch_size,
       learner_step_delays_s=delays,
       syncer_devices=syncer_devices,
+      syncer_workers=syncer_workers,
       sync=sync,
       model=model_cfg,
       data_path=path,
+      stall_timeout_s=stall_timeout_s,
   )

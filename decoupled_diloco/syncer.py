@@ -1,20 +1,38 @@
 """The syncer: quorum, grace window, fragment merge and outer step, broadcast (spec §3-§5).
 
-It runs in its own thread on a mesh of CPU devices. For every fragment that falls due it pulls the
-fragment from every live learner, waits for a quorum of K fresh answers, then for the adaptive grace
-window (or until every live learner has answered), merges the outer gradients of the learners that
-are in and runs the optax outer step, then sends the new Theta_p to every live learner. Absent or
-late learners contribute weight 0; the syncer never waits for one.
+It runs in its own thread and owns all of its state. Fragments fall due on the clock of the fastest
+learner still training. For a due fragment it opens a round and takes the fragment from every live
+learner's latest publication (`LearnerLink.offer`, no round trip through the learner's step loop);
+the copy to host RAM of each taken fragment runs on while the learners compute. Once K fresh offers
+have landed it waits for the adaptive grace window (or until every live learner has answered), then
+hands the merge to a worker thread: the outer gradients of the learners that are in are merged, the
+optax outer step runs, and the new Theta_p comes back to the syncer's thread, which broadcasts it to
+every live learner. Absent or late learners contribute weight 0; the syncer never waits for one.
 
-The merge of one fragment is one jitted computation over the syncer mesh: the learners' outer
-gradients are stacked on a leading axis sharded over the syncer devices, each shard forms its
-learners' weighted terms, and the sums that RDA and the weighted average need become one all-reduce.
-The pure math lives in `merge` and `outer`; this module only moves data and calls them.
+No step is merged twice: the syncer records, per learner and fragment, the last learner step a merge
+took in (`merged_through`) and takes a later offer only if its steps start at or after it. After
+training, `flush()` runs one final round per fragment that waits for every live learner's answer, so
+the global model holds all the work.
+
+Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
+stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
+average need become one all-reduce. Programs are compiled per tensor shape, so their number does not
+grow with the model's depth. The pure math lives in `merge` and `outer`; this module only moves data
+and calls them.
+
+Memory (bytes the syncer holds, beyond what a data-parallel run holds; see `steady_state_bytes`):
+Theta (4 B per parameter) plus the outer optimizer state (4 B per parameter per slot: 1 for SGD with
+momentum, 2 for Adam, 0 for plain SGD), plus, with `anchor="syncer"` only, the Theta_p versions a live
+learner is still anchored at. While rounds are open it also holds the host copies of the offers in
+them (at most one per live learner per open round) and, during a merge, one tensor's stacked outer
+gradients per worker. Nothing grows with the number of steps.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -41,9 +59,9 @@ _FLOAT_BYTES = 4
 
 
 class LearnerLink(Protocol):
-  """What the syncer calls on a learner: both calls only enqueue."""
+  """What the syncer calls on a learner; neither call waits for the learner's step loop."""
 
-  def request(self, fragment: int) -> None:
+  def offer(self, fragment: int, merged_through: int) -> messages.Offer | messages.Answer:
     ...
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
@@ -62,29 +80,88 @@ class MergeOptions:
 
 @dataclasses.dataclass
 class _Round:
-  """One sync of one fragment, from falling due to its broadcast."""
+  """One sync of one fragment, from falling due to its merge."""
 
   fragment: int
   clock: int  # global step at which it fell due
   opened_at: float
   quorum: int
-  requested: set[int]
   use_grace: bool
-  offers: dict[int, messages.Offer] = dataclasses.field(default_factory=dict)
+  poll: bool  # take offers from the learners' publications (False: lock-step learners push them)
+  final: bool = False  # part of the flush after training: waits for every live learner
+  offers: dict[int, messages.Offer] = dataclasses.field(default_factory=dict)  # landed in host RAM
+  copying: dict[int, tuple[messages.Offer, float]] = dataclasses.field(default_factory=dict)
+  answered: set[int] = dataclasses.field(default_factory=set)  # finished, nothing fresh to give
+  landed_at: float | None = None  # when the last offer in it landed
   quorum_at: float | None = None
   deadline: float | None = None
-  final: bool = False  # part of the flush after training
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attach:
+  learner: int
+  link: LearnerLink
+  step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _MergeDone:
+  round_: _Round
+  offers: tuple[messages.Offer, ...]
+  closed_at: float
+  future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _MergeResult:
+  theta: dict[str, np.ndarray]
+  opt_state: dict[str, Any]
+  wire: dict[str, compression.Encoded]
+  weights: np.ndarray
+  bytes_up: int
+  started_at: float
+  encode_s: float
+  merge_s: float
+  wire_s: float
 
 
 @dataclasses.dataclass
 class SyncerStats:
   merges: int = 0
+  final_merges: int = 0  # merges of the flush after training
+  merges_due: int = 0  # times a fragment fell due during training
   bytes_up: int = 0  # learner -> syncer, encoded outer gradients
   bytes_down: int = 0  # syncer -> learners, encoded Theta_p, once per receiving learner
   bytes_allreduce: int = 0  # across syncer shards (ring all-reduce of the merge terms)
-  late_offers: int = 0  # arrived after their round closed: weight 0
-  rounds_without_quorum: int = 0
+  late_offers: int = 0  # taken, but landed after their round closed: weight 0
+  stale_answers: int = 0  # a learner had not yet applied a merge of its earlier steps: asked again
+  rounds_without_quorum: int = 0  # regular rounds that closed with fewer than K fresh offers
   due_while_in_flight: int = 0  # a fragment fell due again before its last sync finished
+  peak_held_bytes: int = 0  # most the syncer held at once (see the module docstring)
+
+
+def outer_state_slots(tx: optax.GradientTransformation) -> int:
+  """Floats per parameter in the outer optimizer's state (1 for momentum, 2 for Adam, 0 for SGD)."""
+  size = 1024
+  state = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((size,), np.float32))
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) // size
+
+
+def steady_state_bytes(num_params: int, num_tensors: int, tx: optax.GradientTransformation) -> int:
+  """What the syncer holds between rounds with anchor="learner": Theta and the outer state.
+
+  4 bytes per parameter for Theta, 4 per parameter per optimizer slot, plus the optimizer's scalar
+  leaves (Adam's step count), one set per tensor.
+  """
+  slots = outer_state_slots(tx)
+  scalars = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((1,), np.float32))
+  scalar_bytes = sum(leaf.dtype.itemsize for leaf in jax.tree.leaves(scalars)
+                     if leaf.shape == ()) if scalars is not None else 0
+  return _FLOAT_BYTES * num_params * (1 + slots) + num_tensors * scalar_bytes
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(tree))
 
 
 class Syncer:
@@ -100,6 +177,7 @@ class Syncer:
       outer_tx: optax.GradientTransformation,
       options: MergeOptions,
       num_learners: int,
+      num_workers: int = 1,
       metrics: metrics_lib.MetricsWriter | None = None,
   ):
     self._sync = sync
@@ -108,66 +186,86 @@ class Syncer:
     self._mesh = mesh
     self._tx = outer_tx
     self._options = options
-    self._num_learners = num_learners
     self._metrics = metrics
     shards = mesh.devices.size
     self._padded_learners = -(-num_learners // shards) * shards
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._by_learner = NamedSharding(mesh, PartitionSpec(devices_lib.SYNCER_AXIS))
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()  # guards _theta and _live against the controller's reads
     self._theta = [{n: np.asarray(initial_params[n], np.float32) for n in f.names}
                    for f in self._fragments]
     self._versions = [0] * len(self._fragments)
-    # Theta_p of each version some live learner may still be anchored at (anchor="syncer" needs it).
-    self._history = [{0: dict(theta)} for theta in self._theta]
-    self._opt_states = [jax.device_put(self._tx.init(theta), self._replicated)
-                        for theta in self._theta]
-    self._merge_fns = [self._build_merge_fn(f) for f in self._fragments]
+    # Theta_p of each version a live learner may still be anchored at: anchor="syncer" only.
+    self._keep_history = options.anchor == "syncer"
+    self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
+    self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
+                         for n, v in theta.items()} for theta in self._theta]
+    self._merge_fns = {average: self._build_merge_fn(average) for average in (False, True)}
+    self._programs: dict[tuple[tuple[int, ...], bool], Any] = {}
     self._learners: dict[int, LearnerLink] = {}
     self._live: set[int] = set()
+    self._training: set[int] = set()
     self._learner_steps: dict[int, int] = {}
-    self._learner_anchor_versions: dict[tuple[int, int], int] = {}
+    self._reported_anchors: dict[int, np.ndarray] = {}
+    self._merged_through: dict[tuple[int, int], int] = {}
     self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    self._copying: list[messages.Offer] = []  # offers whose host copy has not landed yet
     self._rounds: dict[int, _Round] = {}
+    self._merging: set[int] = set()
+    self._owed: set[int] = set()  # fell due while in flight: opened as soon as it is back
     self._clock = 0
+    self._lead: int | None = 0  # step of the fastest learner still training
     self._grace = grace_lib.GraceEstimator(sync.ema_decay)
+    self._workers = concurrent.futures.ThreadPoolExecutor(num_workers, "syncer-merge")
     self._flush_state = "none"  # none -> requested -> running -> done
     self._flush_done = threading.Event()
     self._stop = threading.Event()
     self.stats = SyncerStats()
     self.tape: list[dict[str, Any]] = []  # every merge decision, in order (spec §6)
     self.error: BaseException | None = None
+    self.compile_seconds = 0.0
     self._thread = threading.Thread(target=self._run, name="syncer", daemon=True)
 
   # ---- set-up and control (controller thread) -------------------------------------------------
 
-  def _build_merge_fn(self, fragment: fragments_lib.Fragment):
-    average_names = frozenset(fragment.embedding_names)
-    rule, tx = self._options.rule, self._tx
+  def _build_merge_fn(self, average: bool):
+    rule, weighting, tx = self._options.rule, self._options.weighting, self._tx
 
-    def merge_and_step(theta, opt_state, deltas, weights):
-      delta = merge.merge_fragment(deltas, weights, average_names=average_names, rule=rule)
-      return outer.outer_step(tx, theta, opt_state, delta)
+    def merge_and_step(theta, opt_state, deltas_M, tokens_M, steps_M):
+      weights_M = merge.learner_weights(tokens_M, steps_M, weighting)
+      names = frozenset({"t"}) if average else frozenset()
+      delta = merge.merge_fragment({"t": deltas_M}, weights_M, average_names=names, rule=rule)
+      theta, opt_state = outer.outer_step(tx, theta, opt_state, delta["t"])
+      return theta, opt_state, weights_M
 
+    by_learner = self._by_learner
     return jax.jit(merge_and_step,
-                   in_shardings=(self._replicated, self._replicated, self._by_learner,
-                                 self._by_learner),
-                   out_shardings=(self._replicated, self._replicated))
+                   in_shardings=(self._replicated, self._replicated, by_learner, by_learner,
+                                 by_learner),
+                   out_shardings=(self._replicated, self._replicated, self._replicated))
+
+  def _program_key(self, fragment: fragments_lib.Fragment, name: str):
+    return self._theta[fragment.index][name].shape, name in fragment.embedding_names
 
   def compile(self) -> None:
-    """Compiles every fragment's merge ahead of time, so the first syncs cost no compilation."""
-    for p, fn in enumerate(self._merge_fns):
-      deltas = {n: np.zeros((self._padded_learners,) + v.shape, np.float32)
-                for n, v in self._theta[p].items()}
-      weights = np.zeros(self._padded_learners, np.float32)
-      self._merge_fns[p] = fn.lower(self._theta[p], self._opt_states[p], deltas, weights).compile()
+    """Compiles one merge program per tensor shape ahead of time: the first syncs compile nothing."""
+    start = time.perf_counter()
+    for fragment in self._fragments:
+      for name in fragment.names:
+        key = self._program_key(fragment, name)
+        if key in self._programs:
+          continue
+        theta = self._theta[fragment.index][name]
+        deltas = np.zeros((self._padded_learners,) + theta.shape, np.float32)
+        counters = np.zeros(self._padded_learners, np.float32)
+        self._programs[key] = self._merge_fns[key[1]].lower(
+            theta, self._opt_states[fragment.index][name], deltas, counters, counters).compile()
+    self.compile_seconds = time.perf_counter() - start
 
-  def attach(self, learner: int, link: LearnerLink) -> None:
+  def attach(self, learner: int, link: LearnerLink, step: int = 0) -> None:
+    """A learner joins (at start-up, or later at `step`); it takes part from the next round on."""
     with self._lock:
-      self._learners[learner] = link
       self._live.add(learner)
-      self._learner_steps.setdefault(learner, 0)
+    self._inbox.put(_Attach(learner, link, step))
 
   def start(self) -> None:
     self._thread.start()
@@ -178,21 +276,44 @@ class Syncer:
 
   def join(self, timeout: float | None = None) -> None:
     self._thread.join(timeout)
+    self._workers.shutdown(wait=False, cancel_futures=True)
 
   def post(self, message: Any) -> None:
     """Learners call this; it only enqueues."""
     self._inbox.put(message)
 
   def flush(self, timeout: float | None = None) -> bool:
-    """A last sync of every fragment with every live learner (after training): waits for it."""
+    """A last sync of every fragment with every live learner (after training): waits for it.
+
+    Returns False if it did not finish within `timeout`; raises if the syncer failed.
+    """
     self._flush_state = "requested"
     self._inbox.put(None)
-    return self._flush_done.wait(timeout)
+    done = self._flush_done.wait(timeout)
+    if self.error is not None:
+      raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error
+    return done
 
   def global_params(self) -> dict[str, np.ndarray]:
-    """A copy of the global model Theta (all fragments)."""
+    """The global model Theta (all fragments); the arrays are never written after they are set."""
     with self._lock:
       return {n: v for theta in self._theta for n, v in theta.items()}
+
+  def held_bytes(self) -> int:
+    """Bytes of the arrays the syncer references now: Theta, outer states, history, offers."""
+    with self._lock:
+      theta = sum(_nbytes(t) for t in self._theta)
+    history = sum(_nbytes(versions) for versions in self._history)
+    opt = sum(_nbytes(state) for state in self._opt_states)
+    offers = sum(o.nbytes for r in list(self._rounds.values()) for o in list(r.offers.values()))
+    return theta + history + opt + offers
+
+  def steady_state_bytes(self) -> int:
+    """`steady_state_bytes` for this syncer's model and outer optimizer (what held_bytes() must
+    equal between rounds with anchor="learner")."""
+    num_params = sum(v.size for theta in self._theta for v in theta.values())
+    num_tensors = sum(len(theta) for theta in self._theta)
+    return steady_state_bytes(num_params, num_tensors, self._tx)
 
   @property
   def clock(self) -> int:
@@ -209,9 +330,8 @@ class Syncer:
     try:
       while not self._stop.is_set():
         self._receive(self._wait_timeout())
+        self._poll_rounds()
         self._collect_landed_offers()
-        if not self._sync.lock_step and self._flush_state == "none":
-          self._advance_clock()
         self._close_ready_rounds()
         self._advance_flush()
     except BaseException as err:  # pylint: disable=broad-except
@@ -220,8 +340,10 @@ class Syncer:
       self._flush_done.set()
 
   def _wait_timeout(self) -> float:
-    if self._copying:
+    if any(r.copying for r in self._rounds.values()):
       return 0.002  # poll the copies in flight; the syncer never blocks on a learner's device
+    if any(r.poll for r in self._rounds.values()):
+      return 0.005  # a learner may publish without a step (it applied a merge after training)
     deadlines = [r.deadline for r in self._rounds.values() if r.deadline is not None]
     if not deadlines:
       return 0.05
@@ -244,167 +366,287 @@ class Syncer:
     if isinstance(message, messages.StepReport):
       self._learner_steps[message.learner] = message.step
       self._grace = self._grace.observe_step(message.learner, message.step_time_s)
+      if message.anchor_versions is not None:
+        self._reported_anchors[message.learner] = message.anchor_versions
+      self._advance_clock()
+    elif isinstance(message, _MergeDone):
+      self._finish_merge(message)
     elif isinstance(message, messages.Offer):
-      self._copying.append(message)
+      self._accept_pushed(message)
+    elif isinstance(message, messages.TrainingDone):
+      self._learner_steps[message.learner] = message.step
+      self._advance_clock()
+      self._training.discard(message.learner)
+      self._advance_clock()
     elif isinstance(message, messages.LearnerExit):
       with self._lock:
         self._live.discard(message.learner)
+      self._training.discard(message.learner)
+      self._advance_clock()
       if message.error:
         logging.warning("syncer: learner %d left at step %d (%s); merging without it",
                         message.learner, message.step, message.error)
+    elif isinstance(message, _Attach):
+      self._learners[message.learner] = message.link
+      self._learner_steps[message.learner] = message.step
+      self._advance_clock()
+      self._training.add(message.learner)
+    else:
+      raise TypeError(f"syncer: unexpected message {message!r}")
+
+  def _advance_clock(self) -> None:
+    """Fragments fall due on the clock of the fastest learner still training (spec §3).
+
+    The clock advances by the progress of that learner; when it finishes (or fails), the clock goes
+    on at the pace of the next fastest, so slower learners keep being synced to their last step.
+    """
+    if self._sync.lock_step or self._flush_state != "none":
+      return  # lock-step learners push their offers; the flush syncs everything once more
+    steps = [self._learner_steps.get(m, 0) for m in self._training]
+    lead = max(steps) if steps else None
+    if lead is not None and self._lead is not None and lead > self._lead:
+      for _ in range(lead - self._lead):
+        self._clock += 1
+        for p in self._schedule.due_fragments(self._clock):
+          self._fall_due(p)
+    self._lead = lead
+
+  def _fall_due(self, p: int) -> None:
+    self.stats.merges_due += 1
+    if p in self._rounds or p in self._merging:
+      self.stats.due_while_in_flight += 1
+      self._owed.add(p)
+    else:
+      self._open_round(p, self._clock)
+
+  def _open_round(self, p: int, clock: int, *, final: bool = False, poll: bool = True) -> _Round:
+    if self._sync.lock_step or final:
+      quorum, use_grace = max(len(self._live), 1), False
+    else:
+      quorum, use_grace = self._sync.quorum, True
+    round_ = _Round(p, clock, time.monotonic(), quorum, use_grace, poll, final=final)
+    self._rounds[p] = round_
+    return round_
+
+  def _poll_rounds(self) -> None:
+    """Takes the due fragments from the learners' latest publications."""
+    for p, round_ in self._rounds.items():
+      if not round_.poll:
+        continue
+      for m in sorted(self._live):
+        if m in round_.offers or m in round_.copying or m in round_.answered:
+          continue
+        merged_through = self._merged_through.get((m, p), 0)
+        answer = self._learners[m].offer(p, merged_through)
+        if isinstance(answer, messages.Offer) and answer.since < merged_through:
+          answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
+        if isinstance(answer, messages.Offer):
+          round_.copying[m] = (answer, time.monotonic())
+        elif answer is messages.Answer.STALE:
+          self.stats.stale_answers += 1
+        elif m not in self._training:
+          round_.answered.add(m)  # it will make no new step: nothing to wait for
+
+  def _accept_pushed(self, offer: messages.Offer) -> None:
+    """Lock-step learners push their offers; the first one of a fragment opens its round."""
+    p = offer.fragment
+    round_ = self._rounds.get(p)
+    if round_ is None and p not in self._merging and self._flush_state == "none":
+      round_ = self._open_round(p, offer.step, poll=False)
+    if offer.since < self._merged_through.get((offer.learner, p), 0):
+      self.stats.stale_answers += 1  # holds steps a merge already took in
+      return
+    if round_ is None or offer.learner in round_.offers or offer.learner in round_.copying:
+      self.stats.late_offers += 1
+      return
+    round_.copying[offer.learner] = (offer, time.monotonic())
 
   def _collect_landed_offers(self) -> None:
     """Offers enter their round once their copy to host RAM has landed."""
-    still_copying = []
-    for offer in self._copying:
-      if offer.in_host_memory:
-        self._accept(offer)
-      else:
-        still_copying.append(offer)
-    self._copying = still_copying
-
-  def _accept(self, offer: messages.Offer) -> None:
-    self._learner_anchor_versions[(offer.learner, offer.fragment)] = offer.anchor_version
-    round_ = self._rounds.get(offer.fragment)
-    if round_ is None and self._sync.lock_step and self._flush_state == "none":
-      round_ = self._open_round(offer.fragment, offer.step, request=False)
-    if round_ is None or offer.learner in round_.offers:
-      self.stats.late_offers += 1
-      return
-    round_.offers[offer.learner] = offer
-
-  def _advance_clock(self) -> None:
-    """Fragments fall due on the clock of the fastest live learner (spec §3)."""
-    live_steps = [s for m, s in self._learner_steps.items() if m in self._live]
-    now = max(live_steps, default=self._clock)
-    for step in range(self._clock + 1, now + 1):
-      for p in self._schedule.due_fragments(step):
-        if p in self._rounds:
-          self.stats.due_while_in_flight += 1
-        else:
-          self._open_round(p, step, request=True)
-    self._clock = max(self._clock, now)
-
-  def _open_round(self, p: int, clock: int, *, request: bool, final: bool = False) -> _Round:
-    live = set(self._live)
-    if self._sync.lock_step or final:
-      quorum, use_grace = max(len(live), 1), False
-    else:
-      quorum, use_grace = self._sync.quorum, True
-    round_ = _Round(p, clock, time.monotonic(), quorum, live, use_grace, final=final)
-    self._rounds[p] = round_
-    if request:
-      for m in live:
-        self._learners[m].request(p)
-    return round_
+    now = time.monotonic()
+    for round_ in self._rounds.values():
+      for m, (offer, _) in list(round_.copying.items()):
+        if offer.in_host_memory:
+          del round_.copying[m]
+          round_.offers[m] = offer
+          round_.landed_at = now
 
   def _close_ready_rounds(self) -> None:
     now = time.monotonic()
     for p in list(self._rounds):
       round_ = self._rounds[p]
       fresh = [o for o in round_.offers.values() if o.fresh]
-      waiting_for = (round_.requested & self._live) - set(round_.offers)
-      if round_.quorum_at is None and len(fresh) >= min(round_.quorum, max(len(self._live), 1)):
+      live = self._live
+      waiting_for = live - set(round_.offers) - round_.answered
+      if not live:
+        self._close(round_, [])
+        continue
+      if round_.final:
+        if not waiting_for:
+          self._close(round_, fresh)
+        continue
+      if round_.quorum_at is None and len(fresh) >= min(round_.quorum, len(live)):
         round_.quorum_at = now
         self._grace = self._grace.observe_quorum(now - round_.opened_at)
         window = 0.0
         if round_.use_grace:
-          window = self._grace.window(self._live, overlap=self._sync.overlap,
+          window = self._grace.window(self._training or live, overlap=self._sync.overlap,
                                       gamma=self._sync.grace_gamma, cap=self._sync.grace_cap_s)
         round_.deadline = now + window
       if round_.quorum_at is not None:
         if now >= round_.deadline or not waiting_for:
-          del self._rounds[p]
-          self._merge(round_, fresh)
+          self._close(round_, fresh)
       elif not waiting_for:
         # Everyone live has answered and the quorum is still out of reach: nothing to merge.
-        del self._rounds[p]
+        self._close(round_, [])
+
+  def _close(self, round_: _Round, offers: list[messages.Offer]) -> None:
+    p = round_.fragment
+    del self._rounds[p]
+    self.stats.late_offers += len(round_.copying)  # taken, still copying: weight 0
+    if not offers:
+      if not round_.final:
         self.stats.rounds_without_quorum += 1
+      self._open_owed(p)
+      return
+    offers = tuple(sorted(offers, key=lambda o: o.learner))
+    self._merging.add(p)
+    closed_at = time.monotonic()
+    future = self._workers.submit(self._compute_merge, p, offers)
+    future.add_done_callback(
+        lambda f: self._inbox.put(_MergeDone(round_, offers, closed_at, f)))
+
+  def _open_owed(self, p: int) -> None:
+    if p in self._owed:
+      self._owed.discard(p)
+      if self._flush_state == "none":
+        self._open_round(p, self._clock)
 
   def _advance_flush(self) -> None:
-    if self._flush_state == "requested" and not self._rounds:
+    if self._flush_state == "requested" and not self._rounds and not self._merging:
       self._flush_state = "running"
+      self._owed.clear()  # the final rounds sync every fragment
       for p in range(len(self._fragments)):
-        self._open_round(p, self._clock, request=True, final=True)
-    elif self._flush_state == "running" and not self._rounds:
+        self._open_round(p, self._clock, final=True)
+    elif self._flush_state == "running" and not self._rounds and not self._merging:
       self._flush_state = "done"
       self._flush_done.set()
 
-  # ---- merge, outer step, broadcast --------------------------------------------------------------
+  # ---- merge and outer step (a worker thread; reads only what no one writes meanwhile) -----------
 
-  def _merge(self, round_: _Round, offers: list[messages.Offer]) -> None:
-    if not offers:
-      self.stats.rounds_without_quorum += 1
-      return
-    start = time.monotonic()
-    p, opts = round_.fragment, self._options
-    offers = sorted(offers, key=lambda o: o.learner)
-    names = self._fragments[p].names
-    stacked = {n: np.zeros((self._padded_learners,) + self._theta[p][n].shape, np.float32)
-               for n in names}
-    bytes_up = 0
-    for offer in offers:
-      encoded = offer.encode_outer_gradient(opts.outer_grad_format, opts.block_size)
-      bytes_up += sum(e.nbytes for e in encoded.values())
-      for n in names:
-        delta = compression.decode(encoded[n])
-        if opts.anchor == "syncer":
-          # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
-          delta = delta + (self._theta[p][n] - self._history[p][offer.anchor_version][n])
-        stacked[n][offer.learner] = delta
+  def _compute_merge(self, p: int, offers: tuple[messages.Offer, ...]) -> _MergeResult:
+    """Merges the offers of fragment p and runs the outer step. Pure compute: the syncer's thread
+    does not touch Theta_p, its outer state or its history while fragment p is merging."""
+    started_at = time.monotonic()
+    opts, fragment = self._options, self._fragments[p]
     tokens = np.zeros(self._padded_learners, np.float32)
     steps = np.zeros(self._padded_learners, np.float32)
     for offer in offers:
       tokens[offer.learner], steps[offer.learner] = offer.tokens, offer.steps
-    weights = np.asarray(merge.learner_weights(tokens, steps, opts.weighting), np.float32)
-    encoded_at = time.monotonic()
-    theta, opt_state = self._merge_fns[p](self._theta[p], self._opt_states[p], stacked, weights)
-    theta = {n: np.asarray(v) for n, v in theta.items()}
-    merged_at = time.monotonic()
-    wire = compression.encode_tree(theta, opts.broadcast_format, opts.block_size)
-    received = compression.decode_tree(wire)
+    theta_p, opt_p = self._theta[p], self._opt_states[p]
+    new_theta, new_opt = {}, {}
+    bytes_up, encode_s, merge_s = 0, 0.0, 0.0
+    for name in fragment.names:
+      t0 = time.monotonic()
+      stacked = np.zeros((self._padded_learners,) + theta_p[name].shape, np.float32)
+      for offer in offers:
+        encoded = compression.encode(offer.outer_gradient(name), opts.outer_grad_format,
+                                     opts.block_size)
+        bytes_up += encoded.nbytes
+        stacked[offer.learner] = compression.decode(encoded)
+        if opts.anchor == "syncer":
+          # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
+          stacked[offer.learner] += theta_p[name] - self._anchor_value(p, offer.anchor_version,
+                                                                       name)
+      t1 = time.monotonic()
+      program = self._programs[self._program_key(fragment, name)]
+      theta, new_opt[name], weights = program(theta_p[name], opt_p[name], stacked, tokens, steps)
+      new_theta[name] = np.asarray(theta)
+      encode_s, merge_s = encode_s + (t1 - t0), merge_s + (time.monotonic() - t1)
+    t2 = time.monotonic()
+    wire = compression.encode_tree(new_theta, opts.broadcast_format, opts.block_size)
+    return _MergeResult(new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
+                        encode_s, merge_s, time.monotonic() - t2)
+
+  def _anchor_value(self, p: int, version: int, name: str) -> np.ndarray:
+    try:
+      return self._history[p][version][name]
+    except KeyError:
+      raise RuntimeError(
+          f"syncer: an offer of fragment {p} is anchored at version {version}, which is no longer "
+          f"kept (kept: {sorted(self._history[p])}); this is a bug in history pruning") from None
+
+  # ---- back on the syncer's thread: install, broadcast, record -----------------------------------
+
+  def _finish_merge(self, done: _MergeDone) -> None:
+    result: _MergeResult = done.future.result()  # a worker's error fails the syncer here
+    round_, offers = done.round_, done.offers
+    p = round_.fragment
+    received = compression.decode_tree(result.wire) if self._keep_history else None
     with self._lock:
-      self._theta[p] = theta
-      self._opt_states[p] = opt_state
+      self._theta[p] = result.theta
       self._versions[p] += 1
       version = self._versions[p]
       live = sorted(self._live)
-    self._remember(p, version, received, live)
-    broadcast = messages.Broadcast(p, version, wire, {o.learner: o.step for o in offers})
+    self._opt_states[p] = result.opt_state
+    for offer in offers:
+      key = (offer.learner, p)
+      self._merged_through[key] = max(self._merged_through.get(key, 0), offer.step)
+    if received is not None:
+      self._remember(p, version, received, live)
+    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in offers})
+    deliver_at = time.monotonic()
     for m in live:
       self._learners[m].deliver(broadcast)
-    sync_s = time.monotonic() - start
+    now = time.monotonic()
+    self._merging.discard(p)
+    sync_s = now - done.closed_at
     self._grace = self._grace.observe_sync(sync_s)
     shards = self._mesh.devices.size
-    terms = sum(v.size for v in theta.values()) + 2 * len(theta)  # w*phi(Delta), w*|Delta|, w
-    self.stats.merges += 1
-    self.stats.bytes_up += bytes_up
-    self.stats.bytes_down += broadcast.nbytes * len(live)
-    self.stats.bytes_allreduce += 2 * (shards - 1) * terms * _FLOAT_BYTES
+    terms = sum(v.size for v in result.theta.values()) + 2 * len(result.theta)  # w*phi, w*|D|, w
+    stats = self.stats
+    stats.merges += 1
+    stats.final_merges += int(round_.final)
+    stats.bytes_up += result.bytes_up
+    stats.bytes_down += broadcast.nbytes * len(live)
+    stats.bytes_allreduce += 2 * (shards - 1) * terms * _FLOAT_BYTES
+    stats.peak_held_bytes = max(stats.peak_held_bytes,
+                                self.held_bytes() + sum(o.nbytes for o in offers))
+    quorum_at = round_.quorum_at or done.closed_at
     decision = {
         "fragment": p, "version": version, "clock": round_.clock, "final": round_.final,
         "learners": [o.learner for o in offers],
-        "weights": [float(weights[o.learner]) for o in offers],
+        "weights": [float(result.weights[o.learner]) for o in offers],
         "tokens": [o.tokens for o in offers], "steps": [o.steps for o in offers],
         "learner_steps": [o.step for o in offers],
+        "since_steps": [o.since for o in offers],
         "anchor_versions": [o.anchor_version for o in offers],
-        "quorum_wait_s": round((round_.quorum_at or start) - round_.opened_at, 5),
-        "grace_window_s": round((round_.deadline or start) - (round_.quorum_at or start), 5),
-        "grace_waited_s": round(start - (round_.quorum_at or start), 5),
-        "encode_s": round(encoded_at - start, 5), "merge_s": round(merged_at - encoded_at, 5),
-        "sync_s": round(sync_s, 5), "bytes_up": bytes_up,
+        "quorum_wait_s": round(quorum_at - round_.opened_at, 5),
+        "grace_window_s": round((round_.deadline or quorum_at) - quorum_at, 5),
+        "grace_waited_s": round(done.closed_at - quorum_at, 5),
+        "copy_s": round(max((round_.landed_at or round_.opened_at) - round_.opened_at, 0.0), 5),
+        "queue_s": round(result.started_at - done.closed_at, 5),
+        "encode_s": round(result.encode_s, 5), "merge_s": round(result.merge_s, 5),
+        "broadcast_s": round(result.wire_s + (now - deliver_at), 5),
+        "sync_s": round(sync_s, 5), "bytes_up": result.bytes_up,
         "bytes_down": broadcast.nbytes * len(live),
     }
     self.tape.append(decision)
     if self._metrics is not None:
-      self._metrics.write("merge", decision, step=self.stats.merges, scalars={
+      self._metrics.write("merge", decision, step=stats.merges, scalars={
           "syncer/participants": len(offers), "syncer/grace_waited_s": decision["grace_waited_s"],
-          "syncer/bytes_learner_syncer": self.stats.bytes_up + self.stats.bytes_down})
+          "syncer/sync_s": sync_s,
+          "syncer/bytes_learner_syncer": stats.bytes_up + stats.bytes_down})
+    self._open_owed(p)
 
   def _remember(self, p: int, version: int, values: dict[str, np.ndarray], live: list[int]) -> None:
-    """Keeps the Theta_p versions a live learner may still be anchored at; drops the rest."""
+    """anchor="syncer": keeps the Theta_p versions a live learner may still be anchored at."""
     history = self._history[p]
     history[version] = values
-    oldest = min((self._learner_anchor_versions.get((m, p), 0) for m in live), default=version)
+    anchored = [int(self._reported_anchors[m][p]) if m in self._reported_anchors else 0
+                for m in live]
+    anchored += [o.anchor_version for r in self._rounds.values() if r.fragment == p
+                 for o in list(r.offers.values()) + [c for c, _ in r.copying.values()]]
+    oldest = min(anchored, default=version)
     for old in [v for v in history if v < oldest]:
       del history[old]

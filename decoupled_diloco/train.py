@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from decoupled_diloco import model as model_lib
 from decoupled_diloco import outer
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco import syncer as syncer_lib
+from decoupled_diloco import tape as tape_lib
 
 
 @dataclasses.dataclass
@@ -46,6 +48,8 @@ class Run:
   fragments: tuple[fragments_lib.Fragment, ...]
   num_params: int
   build_seconds: float
+  # Seconds of the build spent compiling (and, for init, running) each kind of program.
+  compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def build(config: ml_collections.ConfigDict, *,
@@ -80,11 +84,15 @@ def build(config: ml_collections.ConfigDict, *,
       log_every=config.log_every,
   )
   built, graphdef, initial = [], None, None
+  compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
+                     "syncer_compile_s": 0.0}
   for index, mesh in enumerate(learner_meshes):
     shardings = model_lib.param_shardings(model_cfg, mesh)
     if initial is None:
+      started = time.perf_counter()
       graphdef, params = model_lib.init_params(model_cfg, mesh, config.seed)
       initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+      compile_seconds["init_compile_s"] = time.perf_counter() - started
     else:
       # Every learner starts from the same parameters (the same seed gives the same values on any
       # mesh): copy them instead of compiling the initialiser once per mesh.
@@ -92,7 +100,9 @@ def build(config: ml_collections.ConfigDict, *,
     state = inner.init_train_state(params, tx, mesh, shardings)
     train_step = inner.make_train_step(
         graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings))
+    started = time.perf_counter()
     _compile(train_step, state, settings.learner_batch_size, config.data.seq_len)
+    compile_seconds["train_compile_s"] += time.perf_counter() - started
     loader = data_lib.make_train_loader(
         train_tokens, seq_len=config.data.seq_len, batch_size=settings.learner_batch_size,
         shard_index=index, num_shards=settings.num_learners, seed=config.seed)
@@ -108,8 +118,10 @@ def build(config: ml_collections.ConfigDict, *,
             outer_grad_format=config.compression.outer_grad,
             broadcast_format=config.compression.broadcast,
             block_size=config.compression.block_size),
-        num_learners=settings.num_learners, metrics=metrics)
+        num_learners=settings.num_learners, num_workers=settings.syncer_workers,
+        metrics=metrics)
     syncer.compile()
+    compile_seconds["syncer_compile_s"] = syncer.compile_seconds
   learners = []
   for index, (train_step, state, shardings, batches) in enumerate(built):
     learner = learner_lib.Learner(
@@ -119,13 +131,15 @@ def build(config: ml_collections.ConfigDict, *,
     learners.append(learner)
     if syncer is not None:
       syncer.attach(index, learner)
-  # Same batches on one device in every mode: the syncer's first device, or in dp mode the
-  # learner's first device.
-  eval_mesh = devices_lib.single_device_mesh(syncer_mesh if syncer_mesh is not None
-                                             else learner_meshes[0])
-  evaluator = evaluate.Evaluator(graphdef, model_cfg, eval_mesh, eval_batches)
+  # The global model is evaluated where the model lives: on learner 0's mesh, sharded the way that
+  # learner shards it (in dp mode, the whole learner mesh). Never on the host CPU, where a model
+  # sharded over many chips would not fit. Evaluations during training borrow learner 0's devices.
+  evaluator = evaluate.Evaluator(graphdef, model_cfg, learner_meshes[0], eval_batches)
+  started = time.perf_counter()
+  evaluator.compile()
+  compile_seconds["eval_compile_s"] = time.perf_counter() - started
   return Run(config, settings, learners, syncer, evaluator, metrics, fragments,
-             model_lib.num_params(initial), time.perf_counter() - start)
+             model_lib.num_params(initial), time.perf_counter() - start, compile_seconds)
 
 
 def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
@@ -143,38 +157,37 @@ def global_params(run: Run) -> dict[str, Any]:
 
 
 def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
-  """Runs a built run to the end; returns (and writes) the summary."""
+  """Runs a built run to the end; returns (and writes) the summary.
+
+  Any failure of the syncer, a stall of every learner for `config.stall_timeout_s`, or a Ctrl-C
+  stops every learner and the syncer before the error propagates: no thread trains on alone.
+  """
   config, learners, syncer = run.config, run.learners, run.syncer
   start = time.perf_counter()
-  if syncer is not None:
-    syncer.start()
-  for learner in learners:
-    learner.start()
-  evals = []
-  next_log, next_eval = config.log_every, config.eval_every or None
-  while not all(l.finished_training.is_set() for l in learners):
-    time.sleep(0.05)
-    clock = max(l.step for l in learners)
-    if progress and clock >= next_log:
-      _log_progress(run, clock, evals)
-      next_log += config.log_every
-    if next_eval is not None and clock >= next_eval and clock < config.num_steps:
-      evals.append(_evaluate(run, clock))
-      next_eval += config.eval_every
-    if syncer is not None and syncer.error is not None:
-      raise RuntimeError("the syncer failed") from syncer.error
-  train_seconds = time.perf_counter() - start
-  if syncer is not None:
-    # Merge what every learner did since its last sync, so the global model holds all the work.
-    if not syncer.flush(timeout=600):
-      raise RuntimeError("the final sync did not finish within 600 s")
-  for learner in learners:
-    learner.release()
-  for learner in learners:
-    learner.join()
-  if syncer is not None:
-    syncer.stop()
-    syncer.join()
+  evals: list[dict[str, Any]] = []
+  try:
+    if syncer is not None:
+      syncer.start()
+    for learner in learners:
+      learner.start()
+    _train_until_done(run, evals, progress)
+    train_seconds = time.perf_counter() - start
+    if syncer is not None:
+      # Merge what every learner did since its last sync, so the global model holds all the work.
+      if not syncer.flush(timeout=run.settings.stall_timeout_s):
+        raise RuntimeError(f"the final flush did not finish within config.stall_timeout_s="
+                           f"{run.settings.stall_timeout_s} s")
+    for learner in learners:
+      learner.release()
+    for learner in learners:
+      learner.join()
+    if syncer is not None:
+      syncer.stop()
+      syncer.join()
+      _check_syncer(syncer)
+  except BaseException:
+    _shut_down(run)
+    raise
   final = _evaluate(run, max(l.step for l in learners), final=True)
   evals.append(final)
   summary = _summary(run, evals, train_seconds, time.perf_counter() - start)
@@ -189,6 +202,49 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   return summary
 
 
+def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> None:
+  """Watches the learners until every one has made its last step (or failed)."""
+  config, learners, syncer = run.config, run.learners, run.syncer
+  stall_timeout = run.settings.stall_timeout_s
+  next_log, next_eval = config.log_every, config.eval_every or None
+  last_steps, last_change = -1, time.monotonic()
+  while not all(l.finished_training.is_set() for l in learners):
+    time.sleep(0.05)
+    _check_syncer(syncer)
+    steps = sum(l.step for l in learners)
+    if steps != last_steps:
+      last_steps, last_change = steps, time.monotonic()
+    elif time.monotonic() - last_change > stall_timeout:
+      raise RuntimeError(
+          f"no learner made a step for {stall_timeout} s (config.stall_timeout_s); learner "
+          f"steps {[l.step for l in learners]}")
+    clock = max(l.step for l in learners)
+    if progress and clock >= next_log:
+      _log_progress(run, clock, evals)
+      next_log += config.log_every
+    if next_eval is not None and clock >= next_eval and clock < config.num_steps:
+      evals.append(_evaluate(run, clock))
+      next_eval += config.eval_every
+
+
+def _check_syncer(syncer: syncer_lib.Syncer | None) -> None:
+  if syncer is not None and syncer.error is not None:
+    raise RuntimeError(f"the syncer failed: {syncer.error!r}") from syncer.error
+
+
+def _shut_down(run: Run) -> None:
+  """Stops every thread of a failed or interrupted run and closes its files."""
+  for learner in run.learners:
+    learner.stop()
+  if run.syncer is not None:
+    run.syncer.stop()
+  for learner in run.learners:
+    learner.join(timeout=30)
+  if run.syncer is not None:
+    run.syncer.join(timeout=30)
+  run.metrics.close()
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict) -> dict[str, Any]:
   run = build(config)
   logging.info("built %d learner(s), %d parameters, %d fragment(s) in %.1f s", len(run.learners),
@@ -197,8 +253,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
+  started = time.perf_counter()
   loss = run.evaluator(global_params(run))
-  record = {"step": clock, "eval_loss": loss, "final": final}
+  record = {"step": clock, "eval_loss": loss, "final": final,
+            "seconds": time.perf_counter() - started}
   run.metrics.write("eval", record, step=clock, scalars={"eval/loss": loss})
   logging.info("eval at step %d: global model %.4f nats/byte%s", clock, loss,
                " (final)" if final else "")
@@ -225,14 +283,18 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
   learners, syncer = run.learners, run.syncer
   tokens_per_step = run.settings.learner_batch_size * run.config.data.seq_len
   stats = syncer.stats if syncer is not None else syncer_lib.SyncerStats()
-  return {
+  tape = syncer.tape if syncer is not None else []
+  final_steps = [l.step for l in learners]
+  num_fragments = max(len(run.fragments), 1)
+  summary = {
       "mode": run.settings.mode,
       "num_learners": run.settings.num_learners,
       "num_params": run.num_params,
       "num_fragments": len(run.fragments),
-      "tokens_trained": int(sum(l.step for l in learners) * tokens_per_step),
+      "tokens_trained": int(sum(final_steps) * tokens_per_step),
       "final_eval_loss": evals[-1]["eval_loss"],
       "eval_history": evals,
+      "eval_seconds": sum(e["seconds"] for e in evals),
       "bytes_learner_syncer": stats.bytes_up + stats.bytes_down,
       "bytes_learner_to_syncer": stats.bytes_up,
       "bytes_syncer_to_learners": stats.bytes_down,
@@ -240,11 +302,29 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "wall_seconds": wall_seconds,
       "train_seconds": train_seconds,
       "build_seconds": run.build_seconds,
-      "learner_steps": [l.step for l in learners],
+      **{k: round(v, 3) for k, v in run.compile_seconds.items()},
+      "learner_steps": final_steps,
       "learner_steps_per_s": [len(l.step_times) / max(sum(l.step_times), 1e-9) for l in learners],
       "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
       "merges": stats.merges,
+      "merges_due": stats.merges_due,
+      "merges_before_flush": stats.merges - stats.final_merges,
+      "final_merges": stats.final_merges,
       "late_offers": stats.late_offers,
+      "stale_answers": stats.stale_answers,
       "rounds_without_quorum": stats.rounds_without_quorum,
       "due_while_in_flight": stats.due_while_in_flight,
+      # From the merge tape, not assumed: steps no merge took in, and steps merged twice.
+      "unmerged_steps_at_end": tape_lib.unmerged_steps_at_end(tape, final_steps, num_fragments)
+                               if syncer is not None else [0] * len(learners),
+      "double_merged_offers": tape_lib.double_merged_offers(tape),
+      # Share of each learner's fragment-steps that the paper's overwrite on receive discarded.
+      "discarded_progress": [l.discarded_fragment_steps / max(l.step * num_fragments, 1)
+                             for l in learners],
+      "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
+  if syncer is not None:
+    summary["syncer_held_bytes"] = syncer.held_bytes()
+    summary["syncer_peak_held_bytes"] = stats.peak_held_bytes
+    summary["syncer_steady_state_bytes"] = syncer.steady_state_bytes()
+  return summary

@@ -19,6 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every = 25  # progress line every this many steps of the fastest learner
   config.eval_every = 100  # eval the global model (syncer's Theta) every this many steps; 0 = only at the end
   config.eval_batches = 8  # held-out batches (of data.batch_size x data.seq_len) per evaluation
+  # Fail the run (every thread stopped, the error named) when no learner makes a step, or the final
+  # flush does not end, for this many seconds: a hung run ends instead of waiting forever.
+  config.stall_timeout_s = 600.0
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use
@@ -39,6 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
   # program with a cross-device all-reduce waited ~0.5 s for its device threads to meet, against
   # ~5 ms on one device (measured 2026-11), and slow merges shut the grace window.
   config.syncer.num_devices = 1
+  # Threads that merge different fragments at once (numpy and XLA release the GIL). 1 on a 2-core
+  # box; on a GPU / TPU host with many cores, more keep large merges up with fast learner steps.
+  config.syncer.num_workers = 1
 
   config.sync = ml_collections.ConfigDict()
   config.sync.num_fragments = 24  # P (spec default 24)

@@ -65,19 +65,6 @@ def test_adam_first_step_moves_each_parameter_by_the_learning_rate():
   np.testing.assert_allclose(got, [-0.1, 0.1, -0.1], rtol=1e-5)
 
 
-def test_one_state_per_fragment_keeps_momenta_apart():
-  # Fragment a's momentum never sees fragment b's updates: stepping b in between leaves a's second
-  # step equal to two steps of a alone.
-  tx = outer.make_outer_optimizer()
-  theta_a, theta_b = {"a": jnp.zeros(2)}, {"b": jnp.zeros(3)}
-  state_a, state_b = tx.init(theta_a), tx.init(theta_b)
-  theta_a, state_a = outer.outer_step(tx, theta_a, state_a, {"a": jnp.ones(2)})
-  theta_b, state_b = outer.outer_step(tx, theta_b, state_b, {"b": -5 * jnp.ones(3)})
-  theta_a, state_a = outer.outer_step(tx, theta_a, state_a, {"a": jnp.ones(2)})
-  alone = _run(tx, {"a": jnp.zeros(2)}, [{"a": jnp.ones(2)}] * 2)
-  np.testing.assert_allclose(theta_a["a"], alone["a"], rtol=1e-6)
-
-
 def test_outer_step_is_jittable():
   tx = outer.make_outer_optimizer()
   theta = {"w": jnp.asarray([1.0, -2.0])}

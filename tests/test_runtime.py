@@ -76,16 +76,16 @@ def test_learner_never_waits_for_a_stalled_syncer(tmp_path):
   # ~0.05 s steps: 24 of them take about as long as the stall.
   run = train.build(tiny_config(tmp_path, learner_step_delays_s=(0.05,) * 4))
   stall_s = 3.0
-  merge = run.syncer._merge
+  finish_merge = run.syncer._finish_merge
   stalled = threading.Event()
 
-  def slow_merge(round_, offers):
+  def stuck_syncer(done):
     if not stalled.is_set():
       stalled.set()
-      time.sleep(stall_s)  # the syncer is stuck in its first merge
-    merge(round_, offers)
+      time.sleep(stall_s)  # the syncer's own thread is stuck after its first merge
+    finish_merge(done)
 
-  run.syncer._merge = slow_merge
+  run.syncer._finish_merge = stuck_syncer
   summary = train.execute(run, progress=False)
   assert stalled.is_set()
   assert summary["learner_steps"] == [24] * 4
@@ -120,8 +120,11 @@ def test_streaming_mode_waits_for_every_learner_with_fragments(tmp_path):
 
 
 def test_full_quorum_admits_every_learner(tmp_path):
-  run, _ = _run(tmp_path, sync__quorum=4)
-  assert all(len(d["learners"]) == 4 for d in run.syncer.tape)
+  run, summary = _run(tmp_path, sync__quorum=4)
+  regular = [d for d in run.syncer.tape if not d["final"]]
+  assert regular and all(d["learners"] == [0, 1, 2, 3] for d in regular)
+  # The flush takes in every learner that still has steps to give, and leaves none behind.
+  assert summary["unmerged_steps_at_end"] == [0] * 4
 
 
 def test_dp_mode_is_one_learner_with_the_same_token_budget(tmp_path):
@@ -140,13 +143,6 @@ def test_syncer_anchor_int4_and_mixing_run(tmp_path):
   values = sum(f.num_params * len(d["learners"]) for d in run.syncer.tape
                for f in [run.fragments[d["fragment"]]])
   assert summary["bytes_learner_to_syncer"] < values * 4 / 6
-
-
-def test_fragment_merge_is_one_all_reduce_over_the_syncer_mesh(tmp_path):
-  run = train.build(tiny_config(tmp_path, syncer__num_devices=4))
-  hlo = run.syncer._merge_fns[0].as_text()
-  assert "all-reduce" in hlo
-  run.metrics.close()
 
 
 def test_measured_bytes_per_step_match_the_bandwidth_model(tmp_path):
@@ -200,38 +196,152 @@ def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_pa
     np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("keep,taken_in,expected_shift,expected_steps", [
-    (True, True, 1.0, 2),    # Theta + (theta_now - theta_offered); 2 steps since the offer remain
-    (True, False, 0.0, 0),   # the merge did not take this learner's offer: plain overwrite
-    (False, True, 0.0, 0),   # the paper's overwrite discards the steps since the offer
-])
-def test_receive_overwrites_or_keeps_in_flight_progress(tmp_path, keep, taken_in, expected_shift,
-                                                        expected_steps):
-  from decoupled_diloco import messages  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco import compression  # pylint: disable=g-import-not-at-top
+# ---- issue 7 and issue 15: the rounds around the merge ----------------------------------------------
 
+# The outer step that is the identity: Theta_p <- the learner's fragment, bit for bit up to float32
+# rounding. With one learner there is no asynchrony between learners, so decoupled must track dp.
+_IDENTITY = dict(outer__name="sgd", outer__learning_rate=1.0, outer__momentum=0.0,
+                 merge__keep_in_flight_progress=True, compression__outer_grad="fp32",
+                 compression__broadcast="fp32")
+_ONE_LEARNER = dict(num_learners=1, learner_mesh_shapes=((2, 1),), num_steps=48)
+
+
+@pytest.mark.parametrize("merge_delay_s", [0.0, 0.03])
+def test_identity_outer_step_with_one_learner_tracks_dp_under_a_busy_syncer(tmp_path,
+                                                                            merge_delay_s):
+  """Issue 15 part 0. P = H = 2 and tau = 1: a fragment falls due every step and comes back about
+  when it falls due again, so pulls and broadcasts of the same fragment meet all the time; with
+  merge_delay_s every merge also comes back late while the learner runs ahead. No step may be lost
+  or merged twice, so the final loss equals dp's."""
+  _, dp = _run(tmp_path / "dp", mode="dp", **_ONE_LEARNER)
+  # 10 ms steps: a merge (~10 ms here) comes back about one step after its round opened.
+  run = train.build(tiny_config(tmp_path / "decoupled", sync__num_fragments=2, sync__period=2,
+                                sync__overlap=1, learner_step_delays_s=(0.01,), **_IDENTITY,
+                                **_ONE_LEARNER))
+  if merge_delay_s:
+    compute = run.syncer._compute_merge
+
+    def late_merge(p, offers):
+      time.sleep(merge_delay_s)
+      return compute(p, offers)
+
+    run.syncer._compute_merge = late_merge
+  decoupled = train.execute(run, progress=False)
+  assert decoupled["merges"] >= 12
+  assert decoupled["double_merged_offers"] == 0
+  assert decoupled["unmerged_steps_at_end"] == [0]
+  assert decoupled["final_eval_loss"] == pytest.approx(dp["final_eval_loss"], rel=1e-3)
+  # Sharper than the loss: the global model is the learner's model.
+  theta = run.syncer.global_params()
+  learner = jax.device_get(run.learners[0].params())
+  for name, value in theta.items():
+    np.testing.assert_allclose(learner[name], value, rtol=0, atol=0)
+
+
+def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_left_out(tmp_path):
+  """Issue 7 finding 1: the flush merges every learner's last steps, whatever it last received,
+  and every learner ends holding Theta (to float32 rounding: an offer anchored one version behind
+  is rebased through Theta - A_now + A_offer, exact in reals, not in float32)."""
+  run, summary = _run(tmp_path, learner_step_delays_s=(0.0, 0.0, 0.02, 0.0))
+  assert summary["rounds_without_quorum"] == 0
+  assert summary["unmerged_steps_at_end"] == [0] * 4
+  assert summary["double_merged_offers"] == 0
+  assert summary["final_merges"] >= 1
+  theta = run.syncer.global_params()
+  for learner in run.learners:
+    params = jax.device_get(learner.params())
+    for name, value in theta.items():
+      np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-6,
+                                 err_msg=f"learner {learner.index} {name}")
+
+
+def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path):
+  """Issue 7 finding 2: fragments fall due on the clock of the fastest learner still training."""
+  period = 4
+  run, summary = _run(tmp_path, learner_step_delays_s=(0.0, 0.0, 0.0, 0.08))
+  slow_steps = [step for d in run.syncer.tape if not d["final"]
+                for learner, step in zip(d["learners"], d["learner_steps"]) if learner == 3]
+  assert summary["learner_steps"] == [24] * 4
+  # The fast learners finish while the slow one is far behind; it is still merged in regular
+  # rounds up to its last period, with no gap longer than two periods.
+  assert max(slow_steps) >= 24 - 2 * period
+  gaps = np.diff(sorted(set([0] + slow_steps)))
+  assert gaps.max() <= 2 * period, sorted(slow_steps)
+
+
+def _broken_syncer_run(tmp_path, *, fail_on_merge: int):
+  run = train.build(tiny_config(tmp_path, learner_step_delays_s=(0.02,) * 4))
+  compute, calls = run.syncer._compute_merge, []
+
+  def failing(p, offers):
+    calls.append(p)
+    if len(calls) == fail_on_merge:
+      raise ValueError("injected syncer failure")
+    return compute(p, offers)
+
+  run.syncer._compute_merge = failing
+  return run
+
+
+@pytest.mark.parametrize("fail_on_merge", [3, 10_000])
+def test_a_syncer_failure_reaches_the_caller_and_stops_every_learner(tmp_path, fail_on_merge):
+  """Issue 7 finding 4, in training (merge 3) and in the final flush (the merge after the last one
+  of training, found by counting the merges of a first run)."""
+  if fail_on_merge > 1000:
+    counting = _broken_syncer_run(tmp_path / "count", fail_on_merge=fail_on_merge)
+    train.execute(counting, progress=False)
+    fail_on_merge = counting.syncer.stats.merges - counting.syncer.stats.final_merges + 1
+  run = _broken_syncer_run(tmp_path / "run", fail_on_merge=fail_on_merge)
+  with pytest.raises(RuntimeError, match="the syncer failed") as raised:
+    train.execute(run, progress=False)
+  assert "injected syncer failure" in repr(raised.value.__cause__)
+  assert not os.path.exists(tmp_path / "run" / "summary.json")
+  for learner in run.learners:
+    assert not learner._thread.is_alive(), f"learner {learner.index} still runs"
+
+
+def test_syncer_memory_is_theta_and_the_outer_state_whatever_the_number_of_steps(tmp_path):
+  """Issue 15 part 2: between rounds the syncer holds Theta and the outer momentum, 8 bytes per
+  parameter, and nothing that grows with the steps."""
+  held = []
+  for num_steps in (48, 480):
+    _, summary = _run(tmp_path / str(num_steps), num_steps=num_steps)
+    assert summary["syncer_held_bytes"] == summary["syncer_steady_state_bytes"]
+    held.append(summary["syncer_held_bytes"])
+    # Peak: plus at most one fragment's host copy per learner in each of a few open rounds.
+    assert summary["syncer_peak_held_bytes"] <= held[-1] + 4 * summary["num_params"] * 4
+  assert held[0] == held[1] == 8 * summary["num_params"] + 0  # Nesterov: one slot
+
+
+def test_global_model_is_evaluated_on_a_learners_devices(tmp_path):
+  """Issue 15 part 3: never on the syncer's host CPU devices."""
   run = train.build(tiny_config(tmp_path))
-  learner = run.learners[0]
-  learner._options = learner._options.__class__(**{**learner._options.__dict__,
-                                                   "keep_in_flight_progress": keep})
-  posted = []
-  learner._syncer = type("Stub", (), {"post": lambda self, m: posted.append(m)})()
-  fragment = run.fragments[1]
-  learner._counter_steps[1], learner._counter_tokens[1] = 5, 500
-  learner._offer(1, learner._state)
-  offer_step = posted[-1].step
-  # Two more steps' worth of progress on the fragment: +1.0 on every value, 2 steps, 200 tokens.
-  params = dict(learner._state.params)
-  for name in fragment.names:
-    params[name] = params[name] + 1.0
-  learner._state = learner._state._replace(params=params)
-  learner._counter_steps[1], learner._counter_tokens[1] = 7, 700
-  theta = {n: np.full(run.syncer._theta[1][n].shape, 0.25, np.float32) for n in fragment.names}
-  merged_offers = {0: offer_step} if taken_in else {1: 3}
-  learner._apply(messages.Broadcast(1, 1, compression.encode_tree(theta, "fp32"), merged_offers))
-  got = jax.device_get(learner.params())
-  for name in fragment.names:
-    np.testing.assert_allclose(got[name], 0.25 + expected_shift, rtol=0, atol=1e-6)
-  assert learner._counter_steps[1] == expected_steps
-  assert learner._counter_tokens[1] == expected_steps * 100
+  evaluated_on = set(run.evaluator.mesh.devices.flat)
+  assert evaluated_on == set(run.learners[0]._shardings[run.fragments[0].names[0]].mesh.devices.flat)
+  assert not evaluated_on & set(run.syncer._mesh.devices.flat)
   run.metrics.close()
+  dp = train.build(tiny_config(tmp_path / "dp", mode="dp"))
+  assert dp.evaluator.mesh.devices.size == 8  # the whole dp learner mesh
+  dp.metrics.close()
+
+
+def test_merges_keep_up_with_one_learner(tmp_path):
+  """Issue 15 part 4: before the flush, at least 95% of the merges that fell due have happened.
+  The default experiment's model and sync settings (P = H = 24, tau = 2), one learner."""
+  from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
+  config = tiny_cpu.get_config()
+  config.update_from_flattened_dict({
+      "workdir": str(tmp_path), "num_steps": 96, "eval_every": 0, "eval_batches": 1,
+      "num_learners": 1, "devices.num_fake_cpu_devices": 12})
+  summary = train.execute(train.build(config), progress=False)
+  assert summary["merges_due"] >= 96 - 2
+  assert summary["merges_before_flush"] >= 0.95 * summary["merges_due"], (
+      summary["merges_before_flush"], summary["merges_due"])
+
+
+def test_summary_reports_the_build_split(tmp_path):
+  _, summary = _run(tmp_path, num_steps=8, sync__num_fragments=2, sync__period=2)
+  for key in ("init_compile_s", "train_compile_s", "eval_compile_s", "syncer_compile_s"):
+    assert 0 < summary[key] < summary["build_seconds"], key
+  assert summary["eval_seconds"] > 0
+  assert summary["host_peak_rss_bytes"] > 0

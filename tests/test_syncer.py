@@ -1,0 +1,356 @@
+"""The syncer driven by scripted learners: rounds, quorum, grace, late and stale offers, the merge.
+
+The learners here are `LearnerLink`s whose answers a test sets (an offer of numpy values, NOTHING or
+STALE), so every round and every merged number is known in advance. No model, no learner thread.
+"""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from decoupled_diloco import compression
+from decoupled_diloco import fragments as fragments_lib
+from decoupled_diloco import messages
+from decoupled_diloco import outer
+from decoupled_diloco import syncer as syncer_lib
+from decoupled_diloco import tape as tape_lib
+from decoupled_diloco.settings import SyncSettings
+
+NOTHING, STALE = messages.Answer.NOTHING, messages.Answer.STALE
+SHAPES = {"embedder/embedding": (6, 4), "w": (8,), "v": (3, 5)}
+
+
+class Scripted:
+  """A LearnerLink whose answer per fragment a test sets: an Offer, NOTHING, STALE or a callable."""
+
+  def __init__(self, index):
+    self.index = index
+    self.answers = {}
+    self.asked = []  # (fragment, merged_through)
+    self.received = []
+
+  def offer(self, p, merged_through):
+    self.asked.append((p, merged_through))
+    answer = self.answers.get(p, NOTHING)
+    return answer(merged_through) if callable(answer) else answer
+
+  def deliver(self, broadcast):
+    self.received.append(broadcast)
+
+
+class NotLanded(np.ndarray):
+  """A value whose copy to host RAM has not landed until `landed` is set."""
+
+  landed = threading.Event()
+
+  def is_ready(self):
+    return self.landed.is_set()
+
+
+def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
+            num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
+            num_fragments=2):
+  shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
+  fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
+                                      embedding_names=("embedder/embedding",))
+  sync = SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
+                      lock_step=False, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
+                      ema_decay=0.0, fragmentation="balanced")
+  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("learner",))
+  syncer = syncer_lib.Syncer(
+      sync=sync, fragments=fragments,
+      initial_params={n: np.full(s, initial, np.float32) for n, s in SHAPES.items()},
+      mesh=mesh, outer_tx=outer_tx or outer.make_outer_optimizer("sgd", 1.0, 0.0),
+      options=syncer_lib.MergeOptions(rule=rule, anchor=anchor, outer_grad_format="fp32"),
+      num_learners=num_learners)
+  syncer.compile()
+  learners = [Scripted(m) for m in range(num_learners)]
+  for m, link in enumerate(learners):
+    syncer.attach(m, link)
+  return syncer, learners
+
+
+def _offer(syncer, learner, p, value, *, step, since=0, anchor=0.0, anchor_version=0, cls=None):
+  names = syncer._fragments[p].names
+  values = {}
+  for n in names:
+    values[n] = np.full(SHAPES[n], value, np.float32)
+    if cls is not None:
+      values[n] = values[n].view(cls)
+  return messages.Offer(
+      learner=learner, fragment=p, step=step, since=since, steps=step - since,
+      tokens=100 * (step - since), anchor_version=anchor_version, values=values,
+      anchor={n: np.full(SHAPES[n], anchor, np.float32) for n in names})
+
+
+def _step(syncer, learners, step, step_time_s=0.01):
+  for m in learners:
+    syncer.post(messages.StepReport(m, step, step_time_s, 100))
+
+
+def _wait(condition, timeout=10.0):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if time.monotonic() > deadline:
+      raise AssertionError("timed out")
+    time.sleep(0.005)
+
+
+def _fragment_with(syncer, name):
+  return next(f.index for f in syncer._fragments if name in f.names)
+
+
+@pytest.fixture
+def running():
+  started = []
+
+  def start(syncer):
+    syncer.start()
+    started.append(syncer)
+    return syncer
+
+  yield start
+  for syncer in started:
+    syncer.stop()
+    syncer.join(5)
+
+
+def test_round_merges_after_quorum_and_a_grace_window_that_admits_a_late_learner(running):
+  syncer, (a, b) = _syncer(quorum=1, grace_gamma=0.5, grace_cap_s=0.4)
+  p = 1  # due after step 1 (P = H = 2)
+  a.answers[p] = _offer(syncer, 0, p, 1.0, step=1)
+  running(syncer)
+  # Step times of 2 s and overlap 1: slack = 2 s, window = min(0.5 * 2, 0.4) = 0.4 s.
+  _step(syncer, [0, 1], 1, step_time_s=2.0)
+  time.sleep(0.15)
+  assert not syncer.tape  # quorum reached, grace window still open
+  b.answers[p] = _offer(syncer, 1, p, 3.0, step=1)  # answers within the window: admitted
+  _wait(lambda: syncer.tape)
+  decision = syncer.tape[0]
+  assert decision["learners"] == [0, 1]
+  assert decision["grace_window_s"] == pytest.approx(0.4, abs=0.02)
+  assert 0.1 < decision["grace_waited_s"] < 0.4
+
+
+def test_grace_window_closes_the_round_without_a_learner_that_stays_silent(running):
+  syncer, (a, b) = _syncer(quorum=1, grace_gamma=0.5, grace_cap_s=0.3)
+  a.answers[1] = _offer(syncer, 0, 1, 1.0, step=1)
+  running(syncer)
+  _step(syncer, [0, 1], 1, step_time_s=2.0)
+  _wait(lambda: syncer.tape)
+  assert syncer.tape[0]["learners"] == [0]
+  assert syncer.tape[0]["grace_waited_s"] == pytest.approx(0.3, abs=0.05)
+  assert (1, 0) in b.asked  # it was asked, and kept being asked while training
+
+
+def test_round_without_quorum_closes_once_every_learner_has_answered(running):
+  syncer, (a, b) = _syncer(quorum=2)
+  a.answers[1] = _offer(syncer, 0, 1, 1.0, step=1)
+  running(syncer)
+  syncer.post(messages.TrainingDone(1, 1))  # learner 1 will make no step: NOTHING is final
+  _step(syncer, [0], 1)
+  _wait(lambda: syncer.stats.rounds_without_quorum == 1)
+  assert syncer.stats.merges == 0 and not a.received
+
+
+def test_offer_that_lands_after_its_round_closed_gets_weight_zero(running):
+  syncer, (a, b) = _syncer(quorum=1, grace_gamma=0.0)
+  NotLanded.landed.clear()
+  a.answers[1] = _offer(syncer, 0, 1, 1.0, step=1)
+  b.answers[1] = _offer(syncer, 1, 1, 5.0, step=1, cls=NotLanded)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.tape)
+  NotLanded.landed.set()
+  assert syncer.tape[0]["learners"] == [0]
+  assert syncer.stats.late_offers == 1
+
+
+def test_offer_holding_merged_steps_is_refused_whatever_the_learner_says(running):
+  """A learner that ignores merged_through (or a reordered message) cannot get steps merged twice:
+  the syncer itself refuses an offer whose steps start before the last step merged."""
+  syncer, (a, _) = _syncer(num_learners=2, period=2)
+  p = 1
+  a.answers[p] = lambda merged_through: _offer(syncer, 0, p, 1.0, step=1 + merged_through)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.stats.merges == 1)
+  _step(syncer, [0, 1], 3)  # p falls due again: the same steps (0, ...] are offered again
+  _wait(lambda: syncer.stats.stale_answers > 3)
+  assert syncer.stats.merges == 1
+  assert (p, 1) in a.asked  # told what was merged
+  assert tape_lib.double_merged_offers(syncer.tape) == 0
+
+
+def test_duplicate_pushed_offer_of_a_learner_is_merged_once(running):
+  syncer, (a, b) = _syncer(quorum=2)
+  syncer._sync = SyncSettings(**{**syncer._sync.__dict__, "lock_step": True})
+  running(syncer)
+  syncer.post(_offer(syncer, 0, 1, 1.0, step=2))
+  syncer.post(_offer(syncer, 0, 1, 2.0, step=2))
+  syncer.post(_offer(syncer, 1, 1, 3.0, step=2))
+  _wait(lambda: syncer.tape)
+  assert syncer.tape[0]["learners"] == [0, 1]
+  assert syncer.stats.late_offers == 1
+
+
+def test_fragment_falling_due_while_its_sync_is_in_flight_is_synced_when_it_is_back(running):
+  syncer, (a, b) = _syncer(period=2)
+  p = 1
+  release = threading.Event()
+  compute = syncer._compute_merge
+
+  def held(fragment, offers):
+    if fragment == p:
+      release.wait(10)
+    return compute(fragment, offers)
+
+  syncer._compute_merge = held
+  a.answers[p] = lambda merged_through: _offer(syncer, 0, p, 1.0, step=merged_through + 2,
+                                               since=merged_through)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: p in syncer._merging)
+  _step(syncer, [0, 1], 3)  # due again while the first sync of p is still merging
+  _wait(lambda: syncer.stats.due_while_in_flight == 1)
+  release.set()
+  _wait(lambda: sum(d["fragment"] == p for d in syncer.tape) == 2)
+  assert syncer.stats.merges_due == 3  # p at 1 and 3, fragment 0 at 2
+
+
+def test_syncer_anchor_takes_the_outer_gradient_against_the_current_theta():
+  """anchor="syncer": Delta = Theta_now - theta_m; anchor="learner": Delta = A_m - theta_m.
+  Weighted average, outer SGD lr 0.5: Theta <- Theta - 0.5 Delta. By hand: learner 0 merges first
+  (theta 2.0 at anchor v0 = 0): Theta1 = 0 - 0.5 (0 - 2) = 1. Then learner 1, also anchored at v0
+  with theta 4.0: syncer anchor: Theta2 = 1 - 0.5 (1 - 4) = 2.5; learner anchor:
+  Theta2 = 1 - 0.5 (0 - 4) = 3."""
+  for anchor, expected in (("syncer", 2.5), ("learner", 3.0)):
+    syncer, _ = _syncer(rule="average", anchor=anchor,
+                        outer_tx=outer.make_outer_optimizer("sgd", 0.5, 0.0))
+    p = 0
+    for learner, value, version in ((0, 2.0, 1), (1, 4.0, 2)):
+      offer = _offer(syncer, learner, p, value, step=2)
+      result = syncer._compute_merge(p, (offer,))
+      syncer._theta[p], syncer._opt_states[p] = result.theta, result.opt_state
+      syncer._versions[p] = version
+      if anchor == "syncer":
+        syncer._history[p][version] = result.theta
+    for value in syncer._theta[p].values():
+      np.testing.assert_allclose(value, expected, rtol=1e-6, err_msg=anchor)
+
+
+def test_sharded_and_one_device_syncer_merges_agree():
+  """Four syncer shards (the stacked learner axis split, the RDA sums an all-reduce) give the
+  one-device merge to 1e-6."""
+  rng = np.random.default_rng(0)
+  thetas = {}
+  for devices in (1, 4):
+    syncer, _ = _syncer(num_learners=3, num_devices=devices, rule="rda",
+                        outer_tx=outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.6))
+    for p, fragment in enumerate(syncer._fragments):
+      offers = []
+      for m in range(3):
+        offer = _offer(syncer, m, p, 0.0, step=3 + m)
+        values = {n: np.asarray(rng.normal(size=SHAPES[n]), np.float32) for n in fragment.names}
+        offers.append(messages.Offer(**{**offer.__dict__, "values": values}))
+      result = syncer._compute_merge(p, tuple(offers))
+      thetas.setdefault(devices, {}).update(result.theta)
+    rng = np.random.default_rng(0)  # the same offers for the next mesh
+  assert "all-reduce" in syncer._programs[next(iter(syncer._programs))].as_text()
+  for name in SHAPES:
+    np.testing.assert_allclose(thetas[4][name], thetas[1][name], rtol=1e-6, atol=1e-6)
+    assert np.abs(thetas[1][name]).max() > 0.1
+
+
+def test_outer_momentum_never_crosses_fragments():
+  """Fragment A merged twice with Delta = -1 and fragment B once with Delta = +5 in between: A ends
+  where two merges of A alone end (Nesterov lr 1, momentum 0.5: 1.5, then 1.5 + 1.75 = 3.25)."""
+  syncer, _ = _syncer(outer_tx=outer.make_outer_optimizer("sgd_nesterov", 1.0, 0.5))
+  a = _fragment_with(syncer, "w")
+  b = 1 - a
+
+  def merge(p, value):
+    result = syncer._compute_merge(p, (_offer(syncer, 0, p, value, step=2),))
+    syncer._theta[p], syncer._opt_states[p] = result.theta, result.opt_state
+
+  merge(a, 1.0)  # offers are anchored at 0: Delta = 0 - 1 = -1
+  merge(b, -5.0)
+  merge(a, 1.0)
+  np.testing.assert_allclose(syncer._theta[a]["w"], 3.25, rtol=1e-6)
+
+
+def test_history_is_kept_only_for_the_syncer_anchor_and_stays_bounded(running):
+  for anchor in ("learner", "syncer"):
+    syncer, (a, b) = _syncer(anchor=anchor, period=2)
+    for link in (a, b):
+      for p in (0, 1):
+        # A learner that applies every merge at once: anchored at the newest version.
+        link.answers[p] = lambda merged_through, m=link.index, p=p: _offer(
+            syncer, m, p, 1.0, step=merged_through + 2, since=merged_through,
+            anchor_version=syncer._versions[p])
+    running(syncer)
+    for step in range(1, 41):
+      for m in (0, 1):
+        versions = np.asarray(syncer._versions, np.int64)  # learners hold the newest versions
+        syncer.post(messages.StepReport(m, step, 0.01, 100, versions))
+      time.sleep(0.01)
+    _wait(lambda: syncer.stats.merges >= 20)
+    kept = [len(h) for h in syncer._history]
+    if anchor == "learner":
+      assert kept == [0, 0]
+    else:
+      assert max(kept) <= 3, kept
+
+
+def test_an_error_in_a_learner_link_fails_the_syncer_and_flush_raises(running):
+  syncer, (a, _) = _syncer()
+
+  def broken(merged_through):
+    raise OSError("link down")
+
+  a.answers[1] = broken
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.error is not None)
+  with pytest.raises(RuntimeError, match="the syncer failed"):
+    syncer.flush(timeout=5)
+
+
+def test_flush_waits_for_a_learner_still_applying_a_merge_and_takes_its_last_steps(running):
+  syncer, (a, b) = _syncer()
+  running(syncer)  # no step reported: nothing falls due before the flush
+  applied = threading.Event()
+  for link in (a, b):
+    for p in (0, 1):
+      link.answers[p] = lambda merged_through, m=link.index, p=p: (
+          STALE if m == 1 and not applied.is_set()
+          else _offer(syncer, m, p, 1.0 + m, step=6, since=merged_through))
+  done = []
+  thread = threading.Thread(target=lambda: done.append(syncer.flush(timeout=10)))
+  thread.start()
+  time.sleep(0.2)
+  assert not done and not syncer.tape  # final rounds wait for learner 1's answer
+  applied.set()
+  thread.join(10)
+  assert done == [True]
+  assert sorted(tuple(d["learners"]) for d in syncer.tape) == [(0, 1), (0, 1)]
+  assert all(d["final"] for d in syncer.tape)
+  assert tape_lib.unmerged_steps_at_end(syncer.tape, [6, 6], 2) == [0, 0]
+
+
+def test_clock_goes_on_with_the_fastest_learner_still_training(running):
+  syncer, (a, b) = _syncer(period=4, num_fragments=2)
+  running(syncer)
+  for step in range(1, 9):
+    syncer.post(messages.StepReport(0, step, 0.01, 100))
+  syncer.post(messages.StepReport(1, 4, 0.01, 100))
+  syncer.post(messages.TrainingDone(0, 8))
+  _wait(lambda: syncer.clock == 8)
+  for step in range(5, 9):  # learner 1 goes on alone: four more steps of the clock
+    syncer.post(messages.StepReport(1, step, 0.01, 100))
+  _wait(lambda: syncer.clock == 12)
+  assert syncer.stats.merges_due == 6  # fragments due at 2, 4, 6, 8, 10, 12
