@@ -178,6 +178,11 @@ class Learner:
     return self._thread.is_alive() and self.error is None
 
   @property
+  def mesh_devices(self) -> list[jax.Device]:
+    """The devices this learner trains on."""
+    return sorted({d for s in self._shardings.values() for d in s.device_set}, key=lambda d: d.id)
+
+  @property
   def published(self) -> messages.Publication:
     return self._published
 

@@ -322,9 +322,22 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "discarded_progress": [l.discarded_fragment_steps / max(l.step * num_fragments, 1)
                              for l in learners],
       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+      "device_peak_bytes": _device_peak_bytes(run),
   }
   if syncer is not None:
     summary["syncer_held_bytes"] = syncer.held_bytes()
     summary["syncer_peak_held_bytes"] = stats.peak_held_bytes
     summary["syncer_steady_state_bytes"] = syncer.steady_state_bytes()
   return summary
+
+
+def _device_peak_bytes(run: Run) -> int | None:
+  """Largest peak of bytes in use over the learners' devices (None where the platform does not
+  report it, as on CPU)."""
+  peaks = []
+  for learner in run.learners:
+    for device in learner.mesh_devices:
+      stats = device.memory_stats()
+      if stats and "peak_bytes_in_use" in stats:
+        peaks.append(int(stats["peak_bytes_in_use"]))
+  return max(peaks) if peaks else None

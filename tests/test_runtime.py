@@ -305,7 +305,7 @@ def test_syncer_memory_is_theta_and_the_outer_state_whatever_the_number_of_steps
   parameter, and nothing that grows with the steps."""
   held = []
   for num_steps in (48, 480):
-    _, summary = _run(tmp_path / str(num_steps), num_steps=num_steps)
+    _, summary = _run(tmp_path / str(num_steps), **{**_ONE_LEARNER, "num_steps": num_steps})
     assert summary["syncer_held_bytes"] == summary["syncer_steady_state_bytes"]
     held.append(summary["syncer_held_bytes"])
     # Peak: plus at most one fragment's host copy per learner in each of a few open rounds.
@@ -345,3 +345,30 @@ def test_summary_reports_the_build_split(tmp_path):
     assert 0 < summary[key] < summary["build_seconds"], key
   assert summary["eval_seconds"] > 0
   assert summary["host_peak_rss_bytes"] > 0
+
+
+def test_pulls_are_answered_without_waiting_for_a_step_boundary(tmp_path):
+  """Issue 7 finding 5: a due fragment is taken from each learner's latest publication at once.
+  With 0.1 s steps and every learner needed (K = 4), a pull served at the next step boundary would
+  make the median quorum wait most of a step; here it is a small fraction of one."""
+  run, _ = _run(tmp_path, sync__quorum=4, learner_step_delays_s=(0.1,) * 4, num_steps=16)
+  waits = [d["quorum_wait_s"] for d in run.syncer.tape if not d["final"]]
+  assert len(waits) >= 8
+  assert np.median(waits) < 0.025, waits
+
+
+def test_a_run_whose_learners_all_hang_fails_after_the_stall_timeout(tmp_path):
+  """Issue 7 risk: execute() had no bound while learners train."""
+  run = train.build(tiny_config(tmp_path, stall_timeout_s=2.0))
+
+  def hang_at_step_5(learner, step):
+    if step == 5:
+      run.learners[learner]._stop.wait(60)  # released when the run stops the learner
+
+  for learner in run.learners:
+    learner._step_hook = hang_at_step_5
+  started = time.monotonic()
+  with pytest.raises(RuntimeError, match="config.stall_timeout_s"):
+    train.execute(run, progress=False)
+  assert time.monotonic() - started < 20
+  assert not any(learner._thread.is_alive() for learner in run.learners)

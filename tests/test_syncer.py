@@ -53,7 +53,7 @@ class NotLanded(np.ndarray):
 
 def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
             num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
-            num_fragments=2):
+            num_fragments=2, attached=None):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
                                       embedding_names=("embedder/embedding",))
@@ -68,7 +68,7 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
       options=syncer_lib.MergeOptions(rule=rule, anchor=anchor, outer_grad_format="fp32"),
       num_learners=num_learners)
   syncer.compile()
-  learners = [Scripted(m) for m in range(num_learners)]
+  learners = [Scripted(m) for m in range(num_learners if attached is None else attached)]
   for m, link in enumerate(learners):
     syncer.attach(m, link)
   return syncer, learners
@@ -354,3 +354,21 @@ def test_clock_goes_on_with_the_fastest_learner_still_training(running):
     syncer.post(messages.StepReport(1, step, 0.01, 100))
   _wait(lambda: syncer.clock == 12)
   assert syncer.stats.merges_due == 6  # fragments due at 2, 4, 6, 8, 10, 12
+
+
+def test_a_learner_attached_mid_run_takes_part_from_the_next_round(running):
+  """Issue 7 risk: attach() from another thread while the syncer runs (rejoin, scavenging)."""
+  syncer, (a, _) = _syncer(num_learners=3, attached=2, period=2)
+  p = 1
+  a.answers[p] = lambda merged_through: _offer(syncer, 0, p, 1.0, step=merged_through + 2,
+                                               since=merged_through)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.stats.merges == 1)
+  late = Scripted(2)
+  late.answers[p] = lambda merged_through: _offer(syncer, 2, p, 5.0, step=3)
+  syncer.attach(2, late, step=2)
+  _step(syncer, [0, 1, 2], 3)
+  _wait(lambda: syncer.stats.merges == 2)
+  assert syncer.tape[-1]["learners"] == [0, 2]
+  assert late.received and late.received[-1].version == 2
