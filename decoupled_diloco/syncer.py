@@ -14,45 +14,33 @@ took in (`merged_through`) and takes a later offer only if its steps start at or
 training, `flush()` runs one final round per fragment that waits for every live learner's answer, so
 the global model holds all the work.
 
-Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
-stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
-average need become one all-reduce. Programs are compiled per tensor shape, so their number does not
-grow with the model's depth. The pure math lives in `merge` and `outer`; this module only moves data
-and calls them.
-
-Memory (bytes the syncer holds, beyond what a data-parallel run holds; see `steady_state_bytes`):
-Theta (4 B per parameter) plus the outer optimizer state (4 B per parameter per slot: 1 for SGD with
-momentum, 2 for Adam, 0 for plain SGD), plus, with `anchor="syncer"` only, the Theta_p versions a live
-learner is still anchored at. While rounds are open it also holds the host copies of the offers in
-them (at most one per live learner per open round) and, during a merge, one tensor's stacked outer
-gradients per worker. Nothing grows with the number of steps.
+The global model itself (Theta_p, versions, outer states, the merge programs) is `GlobalModel`;
+this module only runs the rounds around it. Memory: what `GlobalModel` holds, plus the host copies
+of the offers in open rounds (at most one per live learner per open round). Nothing grows with the
+number of steps.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import jax
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from decoupled_diloco import compression
-from decoupled_diloco import devices as devices_lib
 from decoupled_diloco import fragments as fragments_lib
+from decoupled_diloco import global_model as global_model_lib
 from decoupled_diloco import grace as grace_lib
-from decoupled_diloco import merge
 from decoupled_diloco import messages
 from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco import outer
+from decoupled_diloco.global_model import MergeOptions
 from decoupled_diloco.settings import SyncSettings
 
 _FLOAT_BYTES = 4
@@ -66,16 +54,6 @@ class LearnerLink(Protocol):
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
     ...
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeOptions:
-  rule: str = "rda"
-  weighting: str = "tokens_sq_over_steps"
-  anchor: str = "learner"
-  outer_grad_format: str = "bf16"
-  broadcast_format: str = "fp32"
-  block_size: int = 64
 
 
 @dataclasses.dataclass
@@ -113,19 +91,6 @@ class _MergeDone:
 
 
 @dataclasses.dataclass
-class _MergeResult:
-  theta: dict[str, np.ndarray]
-  opt_state: dict[str, Any]
-  wire: dict[str, compression.Encoded]
-  weights: np.ndarray
-  bytes_up: int
-  started_at: float
-  encode_s: float
-  merge_s: float
-  wire_s: float
-
-
-@dataclasses.dataclass
 class SyncerStats:
   merges: int = 0
   final_merges: int = 0  # merges of the flush after training
@@ -138,30 +103,6 @@ class SyncerStats:
   rounds_without_quorum: int = 0  # regular rounds that closed with fewer than K fresh offers
   due_while_in_flight: int = 0  # a fragment fell due again before its last sync finished
   peak_held_bytes: int = 0  # most the syncer held at once (see the module docstring)
-
-
-def outer_state_slots(tx: optax.GradientTransformation) -> int:
-  """Floats per parameter in the outer optimizer's state (1 for momentum, 2 for Adam, 0 for SGD)."""
-  size = 1024
-  state = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((size,), np.float32))
-  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) // size
-
-
-def steady_state_bytes(num_params: int, num_tensors: int, tx: optax.GradientTransformation) -> int:
-  """What the syncer holds between rounds with anchor="learner": Theta and the outer state.
-
-  4 bytes per parameter for Theta, 4 per parameter per optimizer slot, plus the optimizer's scalar
-  leaves (Adam's step count), one set per tensor.
-  """
-  slots = outer_state_slots(tx)
-  scalars = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((1,), np.float32))
-  scalar_bytes = sum(leaf.dtype.itemsize for leaf in jax.tree.leaves(scalars)
-                     if leaf.shape == ()) if scalars is not None else 0
-  return _FLOAT_BYTES * num_params * (1 + slots) + num_tensors * scalar_bytes
-
-
-def _nbytes(tree: Any) -> int:
-  return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(tree))
 
 
 class Syncer:
@@ -182,26 +123,11 @@ class Syncer:
   ):
     self._sync = sync
     self._schedule = sync.schedule
-    self._fragments = tuple(fragments)
-    self._mesh = mesh
-    self._tx = outer_tx
-    self._options = options
     self._metrics = metrics
-    shards = mesh.devices.size
-    self._padded_learners = -(-num_learners // shards) * shards
-    self._replicated = NamedSharding(mesh, PartitionSpec())
-    self._by_learner = NamedSharding(mesh, PartitionSpec(devices_lib.SYNCER_AXIS))
-    self._lock = threading.Lock()  # guards _theta and _live against the controller's reads
-    self._theta = [{n: np.asarray(initial_params[n], np.float32) for n in f.names}
-                   for f in self._fragments]
-    self._versions = [0] * len(self._fragments)
-    # Theta_p of each version a live learner may still be anchored at: anchor="syncer" only.
-    self._keep_history = options.anchor == "syncer"
-    self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
-    self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
-                         for n, v in theta.items()} for theta in self._theta]
-    self._merge_fns = {average: self._build_merge_fn(average) for average in (False, True)}
-    self._programs: dict[tuple[tuple[int, ...], bool], Any] = {}
+    self.model = global_model_lib.GlobalModel(
+        fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
+        options=options, num_learners=num_learners)
+    self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
     self._live: set[int] = set()
     self._training: set[int] = set()
@@ -227,39 +153,9 @@ class Syncer:
 
   # ---- set-up and control (controller thread) -------------------------------------------------
 
-  def _build_merge_fn(self, average: bool):
-    rule, weighting, tx = self._options.rule, self._options.weighting, self._tx
-
-    def merge_and_step(theta, opt_state, deltas_M, tokens_M, steps_M):
-      weights_M = merge.learner_weights(tokens_M, steps_M, weighting)
-      names = frozenset({"t"}) if average else frozenset()
-      delta = merge.merge_fragment({"t": deltas_M}, weights_M, average_names=names, rule=rule)
-      theta, opt_state = outer.outer_step(tx, theta, opt_state, delta["t"])
-      return theta, opt_state, weights_M
-
-    by_learner = self._by_learner
-    return jax.jit(merge_and_step,
-                   in_shardings=(self._replicated, self._replicated, by_learner, by_learner,
-                                 by_learner),
-                   out_shardings=(self._replicated, self._replicated, self._replicated))
-
-  def _program_key(self, fragment: fragments_lib.Fragment, name: str):
-    return self._theta[fragment.index][name].shape, name in fragment.embedding_names
-
   def compile(self) -> None:
-    """Compiles one merge program per tensor shape ahead of time: the first syncs compile nothing."""
-    start = time.perf_counter()
-    for fragment in self._fragments:
-      for name in fragment.names:
-        key = self._program_key(fragment, name)
-        if key in self._programs:
-          continue
-        theta = self._theta[fragment.index][name]
-        deltas = np.zeros((self._padded_learners,) + theta.shape, np.float32)
-        counters = np.zeros(self._padded_learners, np.float32)
-        self._programs[key] = self._merge_fns[key[1]].lower(
-            theta, self._opt_states[fragment.index][name], deltas, counters, counters).compile()
-    self.compile_seconds = time.perf_counter() - start
+    """Compiles the merge programs ahead of time, so the first syncs compile nothing."""
+    self.compile_seconds = self.model.compile()
 
   def attach(self, learner: int, link: LearnerLink, step: int = 0) -> None:
     """A learner joins (at start-up, or later at `step`); it takes part from the next round on."""
@@ -295,25 +191,17 @@ class Syncer:
     return done
 
   def global_params(self) -> dict[str, np.ndarray]:
-    """The global model Theta (all fragments); the arrays are never written after they are set."""
-    with self._lock:
-      return {n: v for theta in self._theta for n, v in theta.items()}
+    """The global model Theta (all fragments)."""
+    return self.model.params()
 
   def held_bytes(self) -> int:
-    """Bytes of the arrays the syncer references now: Theta, outer states, history, offers."""
-    with self._lock:
-      theta = sum(_nbytes(t) for t in self._theta)
-    history = sum(_nbytes(versions) for versions in self._history)
-    opt = sum(_nbytes(state) for state in self._opt_states)
+    """Bytes of the arrays the syncer references now: the global model and the landed offers."""
     offers = sum(o.nbytes for r in list(self._rounds.values()) for o in list(r.offers.values()))
-    return theta + history + opt + offers
+    return self.model.held_bytes() + offers
 
   def steady_state_bytes(self) -> int:
-    """`steady_state_bytes` for this syncer's model and outer optimizer (what held_bytes() must
-    equal between rounds with anchor="learner")."""
-    num_params = sum(v.size for theta in self._theta for v in theta.values())
-    num_tensors = sum(len(theta) for theta in self._theta)
-    return steady_state_bytes(num_params, num_tensors, self._tx)
+    """What held_bytes() must equal between rounds with anchor="learner"."""
+    return self.model.steady_state_bytes()
 
   @property
   def clock(self) -> int:
@@ -526,74 +414,29 @@ class Syncer:
     if self._flush_state == "requested" and not self._rounds and not self._merging:
       self._flush_state = "running"
       self._owed.clear()  # the final rounds sync every fragment
-      for p in range(len(self._fragments)):
+      for p in range(len(self.model.fragments)):
         self._open_round(p, self._clock, final=True)
     elif self._flush_state == "running" and not self._rounds and not self._merging:
       self._flush_state = "done"
       self._flush_done.set()
 
-  # ---- merge and outer step (a worker thread; reads only what no one writes meanwhile) -----------
-
-  def _compute_merge(self, p: int, offers: tuple[messages.Offer, ...]) -> _MergeResult:
-    """Merges the offers of fragment p and runs the outer step. Pure compute: the syncer's thread
-    does not touch Theta_p, its outer state or its history while fragment p is merging."""
-    started_at = time.monotonic()
-    opts, fragment = self._options, self._fragments[p]
-    tokens = np.zeros(self._padded_learners, np.float32)
-    steps = np.zeros(self._padded_learners, np.float32)
-    for offer in offers:
-      tokens[offer.learner], steps[offer.learner] = offer.tokens, offer.steps
-    theta_p, opt_p = self._theta[p], self._opt_states[p]
-    new_theta, new_opt = {}, {}
-    bytes_up, encode_s, merge_s = 0, 0.0, 0.0
-    for name in fragment.names:
-      t0 = time.monotonic()
-      stacked = np.zeros((self._padded_learners,) + theta_p[name].shape, np.float32)
-      for offer in offers:
-        encoded = compression.encode(offer.outer_gradient(name), opts.outer_grad_format,
-                                     opts.block_size)
-        bytes_up += encoded.nbytes
-        stacked[offer.learner] = compression.decode(encoded)
-        if opts.anchor == "syncer":
-          # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
-          stacked[offer.learner] += theta_p[name] - self._anchor_value(p, offer.anchor_version,
-                                                                       name)
-      t1 = time.monotonic()
-      program = self._programs[self._program_key(fragment, name)]
-      theta, new_opt[name], weights = program(theta_p[name], opt_p[name], stacked, tokens, steps)
-      new_theta[name] = np.asarray(theta)
-      encode_s, merge_s = encode_s + (t1 - t0), merge_s + (time.monotonic() - t1)
-    t2 = time.monotonic()
-    wire = compression.encode_tree(new_theta, opts.broadcast_format, opts.block_size)
-    return _MergeResult(new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
-                        encode_s, merge_s, time.monotonic() - t2)
-
-  def _anchor_value(self, p: int, version: int, name: str) -> np.ndarray:
-    try:
-      return self._history[p][version][name]
-    except KeyError:
-      raise RuntimeError(
-          f"syncer: an offer of fragment {p} is anchored at version {version}, which is no longer "
-          f"kept (kept: {sorted(self._history[p])}); this is a bug in history pruning") from None
+  def _compute_merge(self, p: int,
+                     offers: tuple[messages.Offer, ...]) -> global_model_lib.MergeResult:
+    """Runs on a worker thread: the syncer's thread installs nothing of fragment p meanwhile."""
+    return self.model.merge(p, offers)
 
   # ---- back on the syncer's thread: install, broadcast, record -----------------------------------
 
   def _finish_merge(self, done: _MergeDone) -> None:
-    result: _MergeResult = done.future.result()  # a worker's error fails the syncer here
+    result: global_model_lib.MergeResult = done.future.result()  # a worker's error fails here
     round_, offers = done.round_, done.offers
     p = round_.fragment
-    received = compression.decode_tree(result.wire) if self._keep_history else None
     with self._lock:
-      self._theta[p] = result.theta
-      self._versions[p] += 1
-      version = self._versions[p]
       live = sorted(self._live)
-    self._opt_states[p] = result.opt_state
+    version = self.model.install(result, self._anchored_versions(p, live))
     for offer in offers:
       key = (offer.learner, p)
       self._merged_through[key] = max(self._merged_through.get(key, 0), offer.step)
-    if received is not None:
-      self._remember(p, version, received, live)
     broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in offers})
     deliver_at = time.monotonic()
     for m in live:
@@ -602,7 +445,7 @@ class Syncer:
     self._merging.discard(p)
     sync_s = now - done.closed_at
     self._grace = self._grace.observe_sync(sync_s)
-    shards = self._mesh.devices.size
+    shards = self.model.mesh.devices.size
     terms = sum(v.size for v in result.theta.values()) + 2 * len(result.theta)  # w*phi, w*|D|, w
     stats = self.stats
     stats.merges += 1
@@ -639,14 +482,13 @@ class Syncer:
           "syncer/bytes_learner_syncer": stats.bytes_up + stats.bytes_down})
     self._open_owed(p)
 
-  def _remember(self, p: int, version: int, values: dict[str, np.ndarray], live: list[int]) -> None:
-    """anchor="syncer": keeps the Theta_p versions a live learner may still be anchored at."""
-    history = self._history[p]
-    history[version] = values
+  def _anchored_versions(self, p: int, live: list[int]) -> list[int]:
+    """Versions of fragment p that a live learner, or an offer in an open round, may be anchored
+    at: each learner's last reported version (0 before its first report)."""
     anchored = [int(self._reported_anchors[m][p]) if m in self._reported_anchors else 0
                 for m in live]
-    anchored += [o.anchor_version for r in self._rounds.values() if r.fragment == p
-                 for o in list(r.offers.values()) + [c for c, _ in r.copying.values()]]
-    oldest = min(anchored, default=version)
-    for old in [v for v in history if v < oldest]:
-      del history[old]
+    round_ = self._rounds.get(p)
+    if round_ is not None:
+      anchored += [o.anchor_version for o in round_.offers.values()]
+      anchored += [o.anchor_version for o, _ in round_.copying.values()]
+    return anchored

@@ -25,6 +25,7 @@ from decoupled_diloco import data as data_lib
 from decoupled_diloco import devices as devices_lib
 from decoupled_diloco import evaluate
 from decoupled_diloco import fragments as fragments_lib
+from decoupled_diloco import global_model as global_model_lib
 from decoupled_diloco import inner
 from decoupled_diloco import learner as learner_lib
 from decoupled_diloco import metrics as metrics_lib
@@ -113,7 +114,7 @@ def build(config: ml_collections.ConfigDict, *,
         sync=sync, fragments=fragments, initial_params=initial, mesh=syncer_mesh,
         outer_tx=outer.make_outer_optimizer(config.outer.name, config.outer.learning_rate,
                                             config.outer.momentum),
-        options=syncer_lib.MergeOptions(
+        options=global_model_lib.MergeOptions(
             rule=config.merge.rule, weighting=config.merge.weighting, anchor=config.merge.anchor,
             outer_grad_format=config.compression.outer_grad,
             broadcast_format=config.compression.broadcast,

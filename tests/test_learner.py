@@ -61,7 +61,8 @@ def _set(learner, run, value, *, step, steps, anchor=None):
 
 
 def _broadcast(run, value, version, merged_offers):
-  theta = {n: np.full(run.syncer._theta[P][n].shape, value, np.float32) for n in _names(run)}
+  shapes = {n: v.shape for n, v in run.syncer.model.fragment_params(P).items()}
+  theta = {n: np.full(shapes[n], value, np.float32) for n in _names(run)}
   return messages.Broadcast(P, version, compression.encode_tree(theta, "fp32"), merged_offers)
 
 

@@ -318,7 +318,7 @@ def test_global_model_is_evaluated_on_a_learners_devices(tmp_path):
   run = train.build(tiny_config(tmp_path))
   evaluated_on = set(run.evaluator.mesh.devices.flat)
   assert evaluated_on == set(run.learners[0]._shardings[run.fragments[0].names[0]].mesh.devices.flat)
-  assert not evaluated_on & set(run.syncer._mesh.devices.flat)
+  assert not evaluated_on & set(run.syncer.model.mesh.devices.flat)
   run.metrics.close()
   dp = train.build(tiny_config(tmp_path / "dp", mode="dp"))
   assert dp.evaluator.mesh.devices.size == 8  # the whole dp learner mesh

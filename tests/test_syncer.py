@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from decoupled_diloco import compression
 from decoupled_diloco import fragments as fragments_lib
+from decoupled_diloco import global_model
 from decoupled_diloco import messages
 from decoupled_diloco import outer
 from decoupled_diloco import syncer as syncer_lib
@@ -65,7 +66,7 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
       sync=sync, fragments=fragments,
       initial_params={n: np.full(s, initial, np.float32) for n, s in SHAPES.items()},
       mesh=mesh, outer_tx=outer_tx or outer.make_outer_optimizer("sgd", 1.0, 0.0),
-      options=syncer_lib.MergeOptions(rule=rule, anchor=anchor, outer_grad_format="fp32"),
+      options=global_model.MergeOptions(rule=rule, anchor=anchor, outer_grad_format="fp32"),
       num_learners=num_learners)
   syncer.compile()
   learners = [Scripted(m) for m in range(num_learners if attached is None else attached)]
@@ -75,7 +76,7 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
 
 
 def _offer(syncer, learner, p, value, *, step, since=0, anchor=0.0, anchor_version=0, cls=None):
-  names = syncer._fragments[p].names
+  names = syncer.model.fragments[p].names
   values = {}
   for n in names:
     values[n] = np.full(SHAPES[n], value, np.float32)
@@ -101,7 +102,7 @@ def _wait(condition, timeout=10.0):
 
 
 def _fragment_with(syncer, name):
-  return next(f.index for f in syncer._fragments if name in f.names)
+  return next(f.index for f in syncer.model.fragments if name in f.names)
 
 
 @pytest.fixture
@@ -232,14 +233,10 @@ def test_syncer_anchor_takes_the_outer_gradient_against_the_current_theta():
     syncer, _ = _syncer(rule="average", anchor=anchor,
                         outer_tx=outer.make_outer_optimizer("sgd", 0.5, 0.0))
     p = 0
-    for learner, value, version in ((0, 2.0, 1), (1, 4.0, 2)):
-      offer = _offer(syncer, learner, p, value, step=2)
-      result = syncer._compute_merge(p, (offer,))
-      syncer._theta[p], syncer._opt_states[p] = result.theta, result.opt_state
-      syncer._versions[p] = version
-      if anchor == "syncer":
-        syncer._history[p][version] = result.theta
-    for value in syncer._theta[p].values():
+    for learner, value in ((0, 2.0), (1, 4.0)):
+      offer = _offer(syncer, learner, p, value, step=2)  # both anchored at version 0
+      syncer.model.install(syncer.model.merge(p, (offer,)), anchored=[0])
+    for value in syncer.model.fragment_params(p).values():
       np.testing.assert_allclose(value, expected, rtol=1e-6, err_msg=anchor)
 
 
@@ -251,16 +248,16 @@ def test_sharded_and_one_device_syncer_merges_agree():
   for devices in (1, 4):
     syncer, _ = _syncer(num_learners=3, num_devices=devices, rule="rda",
                         outer_tx=outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.6))
-    for p, fragment in enumerate(syncer._fragments):
+    for p, fragment in enumerate(syncer.model.fragments):
       offers = []
       for m in range(3):
         offer = _offer(syncer, m, p, 0.0, step=3 + m)
         values = {n: np.asarray(rng.normal(size=SHAPES[n]), np.float32) for n in fragment.names}
         offers.append(messages.Offer(**{**offer.__dict__, "values": values}))
-      result = syncer._compute_merge(p, tuple(offers))
+      result = syncer.model.merge(p, tuple(offers))
       thetas.setdefault(devices, {}).update(result.theta)
     rng = np.random.default_rng(0)  # the same offers for the next mesh
-  assert "all-reduce" in syncer._programs[next(iter(syncer._programs))].as_text()
+  assert "all-reduce" in syncer.model.program(0, syncer.model.fragments[0].names[0]).as_text()
   for name in SHAPES:
     np.testing.assert_allclose(thetas[4][name], thetas[1][name], rtol=1e-6, atol=1e-6)
     assert np.abs(thetas[1][name]).max() > 0.1
@@ -274,13 +271,12 @@ def test_outer_momentum_never_crosses_fragments():
   b = 1 - a
 
   def merge(p, value):
-    result = syncer._compute_merge(p, (_offer(syncer, 0, p, value, step=2),))
-    syncer._theta[p], syncer._opt_states[p] = result.theta, result.opt_state
+    syncer.model.install(syncer.model.merge(p, (_offer(syncer, 0, p, value, step=2),)))
 
   merge(a, 1.0)  # offers are anchored at 0: Delta = 0 - 1 = -1
   merge(b, -5.0)
   merge(a, 1.0)
-  np.testing.assert_allclose(syncer._theta[a]["w"], 3.25, rtol=1e-6)
+  np.testing.assert_allclose(syncer.model.fragment_params(a)["w"], 3.25, rtol=1e-6)
 
 
 def test_history_is_kept_only_for_the_syncer_anchor_and_stays_bounded(running):
@@ -291,15 +287,15 @@ def test_history_is_kept_only_for_the_syncer_anchor_and_stays_bounded(running):
         # A learner that applies every merge at once: anchored at the newest version.
         link.answers[p] = lambda merged_through, m=link.index, p=p: _offer(
             syncer, m, p, 1.0, step=merged_through + 2, since=merged_through,
-            anchor_version=syncer._versions[p])
+            anchor_version=syncer.model.version(p))
     running(syncer)
     for step in range(1, 41):
       for m in (0, 1):
-        versions = np.asarray(syncer._versions, np.int64)  # learners hold the newest versions
+        versions = np.asarray(syncer.model.versions, np.int64)  # learners hold the newest
         syncer.post(messages.StepReport(m, step, 0.01, 100, versions))
       time.sleep(0.01)
     _wait(lambda: syncer.stats.merges >= 20)
-    kept = [len(h) for h in syncer._history]
+    kept = [len(h) for h in syncer.model.kept_versions]
     if anchor == "learner":
       assert kept == [0, 0]
     else:

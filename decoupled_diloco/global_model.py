@@ -1,0 +1,257 @@
+"""The global model Theta as the syncer keeps it: fragments, versions, outer states, the merge.
+
+Theta is split into the P fragments; each has a version (how many merges it has had), one optax
+outer-optimizer state, and, with `anchor="syncer"` only, the earlier versions a live learner may
+still be anchored at. `merge(p, offers)` computes the next Theta_p from the learners' offers
+(weights, RDA or weighted average, outer step, wire encoding) without changing anything;
+`install(p, result)` makes it current. The syncer runs merges of different fragments in worker
+threads and installs them on its own thread; nothing here starts a thread or waits.
+
+Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
+stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
+average need become one all-reduce. Programs are compiled per tensor shape, so their number does
+not grow with the model's depth. The math is `merge` and `outer`; this module only calls it.
+
+Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parameter per outer
+optimizer slot (1 for SGD with momentum, 2 for Adam, 0 for plain SGD), plus the optimizer's scalar
+leaves, plus, with anchor="syncer" only, the kept versions. Nothing grows with the number of steps.
+A merge in progress adds one tensor's stacked outer gradients (learners x tensor size, fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from decoupled_diloco import compression
+from decoupled_diloco import devices as devices_lib
+from decoupled_diloco import fragments as fragments_lib
+from decoupled_diloco import merge as merge_lib
+from decoupled_diloco import messages
+from decoupled_diloco import outer
+
+_FLOAT_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeOptions:
+  rule: str = "rda"
+  weighting: str = "tokens_sq_over_steps"
+  anchor: str = "learner"
+  outer_grad_format: str = "bf16"
+  broadcast_format: str = "fp32"
+  block_size: int = 64
+
+
+@dataclasses.dataclass
+class MergeResult:
+  """The next Theta_p, computed but not installed."""
+
+  fragment: int
+  theta: dict[str, np.ndarray]
+  opt_state: dict[str, Any]
+  wire: dict[str, compression.Encoded]  # Theta_p in the broadcast format
+  weights: np.ndarray  # per learner slot
+  bytes_up: int  # encoded outer gradients, as they would travel
+  started_at: float
+  encode_s: float
+  merge_s: float
+  wire_s: float
+
+
+def outer_state_slots(tx: optax.GradientTransformation) -> int:
+  """Floats per parameter in the outer optimizer's state (1 for momentum, 2 for Adam, 0 for SGD)."""
+  size = 1024
+  state = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((size,), np.float32))
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) // size
+
+
+def steady_state_bytes(num_params: int, num_tensors: int, tx: optax.GradientTransformation) -> int:
+  """Bytes of Theta and the outer state, with one optimizer state per tensor (see the module
+  docstring): what the syncer holds between rounds with anchor="learner"."""
+  scalars = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((1,), np.float32))
+  scalar_bytes = sum(leaf.dtype.itemsize for leaf in jax.tree.leaves(scalars) if leaf.shape == ())
+  return _FLOAT_BYTES * num_params * (1 + outer_state_slots(tx)) + num_tensors * scalar_bytes
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(tree))
+
+
+class GlobalModel:
+  """Theta_p, its version and outer state for every fragment; merges that advance them."""
+
+  def __init__(self, *, fragments: Sequence[fragments_lib.Fragment],
+               initial_params: Mapping[str, np.ndarray], mesh: Mesh,
+               outer_tx: optax.GradientTransformation, options: MergeOptions, num_learners: int):
+    self.fragments = tuple(fragments)
+    self.mesh = mesh
+    self.options = options
+    self._tx = outer_tx
+    shards = mesh.devices.size
+    self._padded_learners = -(-num_learners // shards) * shards
+    self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._by_learner = NamedSharding(mesh, PartitionSpec(devices_lib.SYNCER_AXIS))
+    self._lock = threading.Lock()  # params() is read from other threads than install()
+    self._theta = [{n: np.asarray(initial_params[n], np.float32) for n in f.names}
+                   for f in self.fragments]
+    self._versions = [0] * len(self.fragments)
+    self._keep_history = options.anchor == "syncer"
+    self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
+    self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
+                         for n, v in theta.items()} for theta in self._theta]
+    self._merge_fns = {average: self._build_merge_fn(average) for average in (False, True)}
+    self._programs: dict[tuple[tuple[int, ...], bool], Any] = {}
+
+  # ---- set-up ------------------------------------------------------------------------------------
+
+  def _build_merge_fn(self, average: bool):
+    rule, weighting, tx = self.options.rule, self.options.weighting, self._tx
+
+    def merge_and_step(theta, opt_state, deltas_M, tokens_M, steps_M):
+      weights_M = merge_lib.learner_weights(tokens_M, steps_M, weighting)
+      names = frozenset({"t"}) if average else frozenset()
+      delta = merge_lib.merge_fragment({"t": deltas_M}, weights_M, average_names=names, rule=rule)
+      theta, opt_state = outer.outer_step(tx, theta, opt_state, delta["t"])
+      return theta, opt_state, weights_M
+
+    by_learner = self._by_learner
+    return jax.jit(merge_and_step,
+                   in_shardings=(self._replicated, self._replicated, by_learner, by_learner,
+                                 by_learner),
+                   out_shardings=(self._replicated, self._replicated, self._replicated))
+
+  def _program_key(self, fragment: fragments_lib.Fragment, name: str):
+    return self._theta[fragment.index][name].shape, name in fragment.embedding_names
+
+  def compile(self) -> float:
+    """Compiles one merge program per tensor shape ahead of time; returns the seconds it took."""
+    start = time.perf_counter()
+    for fragment in self.fragments:
+      for name in fragment.names:
+        key = self._program_key(fragment, name)
+        if key in self._programs:
+          continue
+        theta = self._theta[fragment.index][name]
+        deltas = np.zeros((self._padded_learners,) + theta.shape, np.float32)
+        counters = np.zeros(self._padded_learners, np.float32)
+        self._programs[key] = self._merge_fns[key[1]].lower(
+            theta, self._opt_states[fragment.index][name], deltas, counters, counters).compile()
+    return time.perf_counter() - start
+
+  def program(self, p: int, name: str):
+    """The compiled merge program of one tensor (for inspection)."""
+    return self._programs[self._program_key(self.fragments[p], name)]
+
+  # ---- reading ---------------------------------------------------------------------------------
+
+  def params(self) -> dict[str, np.ndarray]:
+    """Theta (all fragments); the arrays are never written after they are installed."""
+    with self._lock:
+      return {n: v for theta in self._theta for n, v in theta.items()}
+
+  def fragment_params(self, p: int) -> dict[str, np.ndarray]:
+    with self._lock:
+      return dict(self._theta[p])
+
+  def version(self, p: int) -> int:
+    return self._versions[p]
+
+  @property
+  def versions(self) -> tuple[int, ...]:
+    return tuple(self._versions)
+
+  @property
+  def kept_versions(self) -> list[list[int]]:
+    """Per fragment, the versions kept for anchor="syncer" (empty otherwise)."""
+    return [sorted(h) for h in self._history]
+
+  def held_bytes(self) -> int:
+    """Bytes of the arrays held now: Theta, the outer states, the kept versions."""
+    with self._lock:
+      theta = sum(_nbytes(t) for t in self._theta)
+    return (theta + sum(_nbytes(h) for h in self._history)
+            + sum(_nbytes(s) for s in self._opt_states))
+
+  def steady_state_bytes(self) -> int:
+    """What `held_bytes()` must equal between rounds with anchor="learner"."""
+    num_params = sum(v.size for theta in self._theta for v in theta.values())
+    num_tensors = sum(len(theta) for theta in self._theta)
+    return steady_state_bytes(num_params, num_tensors, self._tx)
+
+  # ---- merging ---------------------------------------------------------------------------------
+
+  def merge(self, p: int, offers: Sequence[messages.Offer]) -> MergeResult:
+    """The next Theta_p from `offers`, computed but not installed.
+
+    Reads Theta_p, its outer state and its kept versions, so the caller runs at most one merge of
+    a fragment at a time and installs it before starting the next.
+    """
+    started_at = time.monotonic()
+    opts, fragment = self.options, self.fragments[p]
+    tokens = np.zeros(self._padded_learners, np.float32)
+    steps = np.zeros(self._padded_learners, np.float32)
+    for offer in offers:
+      tokens[offer.learner], steps[offer.learner] = offer.tokens, offer.steps
+    theta_p, opt_p = self._theta[p], self._opt_states[p]
+    new_theta, new_opt = {}, {}
+    bytes_up, encode_s, merge_s = 0, 0.0, 0.0
+    weights = None
+    for name in fragment.names:
+      t0 = time.monotonic()
+      stacked = np.zeros((self._padded_learners,) + theta_p[name].shape, np.float32)
+      for offer in offers:
+        encoded = compression.encode(offer.outer_gradient(name), opts.outer_grad_format,
+                                     opts.block_size)
+        bytes_up += encoded.nbytes
+        stacked[offer.learner] = compression.decode(encoded)
+        if opts.anchor == "syncer":
+          # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
+          stacked[offer.learner] += theta_p[name] - self._kept(p, offer.anchor_version, name)
+      t1 = time.monotonic()
+      program = self._programs[self._program_key(fragment, name)]
+      theta, new_opt[name], weights = program(theta_p[name], opt_p[name], stacked, tokens, steps)
+      new_theta[name] = np.asarray(theta)
+      encode_s, merge_s = encode_s + (t1 - t0), merge_s + (time.monotonic() - t1)
+    t2 = time.monotonic()
+    wire = compression.encode_tree(new_theta, opts.broadcast_format, opts.block_size)
+    return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
+                       encode_s, merge_s, time.monotonic() - t2)
+
+  def _kept(self, p: int, version: int, name: str) -> np.ndarray:
+    try:
+      return self._history[p][version][name]
+    except KeyError:
+      raise RuntimeError(
+          f"an offer of fragment {p} is anchored at version {version}, which is no longer kept "
+          f"(kept: {sorted(self._history[p])}); this is a bug in the syncer's history pruning"
+      ) from None
+
+  def install(self, result: MergeResult, anchored: Iterable[int] = ()) -> int:
+    """Makes a merge current; returns Theta_p's new version.
+
+    `anchored`: the versions of fragment p that live learners or offers in flight may still be
+    anchored at. With anchor="syncer" the versions older than all of them are dropped.
+    """
+    p = result.fragment
+    with self._lock:
+      self._theta[p] = result.theta
+      self._versions[p] += 1
+      version = self._versions[p]
+    self._opt_states[p] = result.opt_state
+    if self._keep_history:
+      history = self._history[p]
+      history[version] = compression.decode_tree(result.wire)  # what the learners received
+      oldest = min(anchored, default=version)
+      for old in [v for v in history if v < oldest]:
+        del history[old]
+    return version
