@@ -120,7 +120,10 @@ class Learner:
       self._restore(snapshot, state)
     self._offers_made = np.zeros(num_fragments, np.int64)  # lock-step: offers pushed per fragment
     self._lock = threading.Lock()  # guards _taken, written by the syncer's thread in offer()
-    self._taken: dict[int, dict[int, messages.Offer]] = {p: {} for p in range(num_fragments)}
+    # Per fragment, the last offer the syncer took. One is enough: a take succeeds only once every
+    # merge of this learner's earlier steps has been applied (or overwritten), so an older offer
+    # still pending was left out of its round and will never be merged.
+    self._taken: dict[int, messages.Offer] = {}
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     self._finished = False  # made its last step: from then on merges keep unmerged steps
     self._stop = threading.Event()
@@ -154,7 +157,7 @@ class Learner:
       return messages.Answer.NOTHING
     offer = self._offer_from(published, p)
     with self._lock:
-      self._taken[p][offer.step] = offer
+      self._taken[p] = offer
     return offer
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
@@ -397,27 +400,22 @@ class Learner:
                      ) -> tuple[messages.Offer | None, bool]:
     """(the taken offer a broadcast of p merged, if its steps are still unmerged here; unknown).
 
-    Records up to the merged step are dropped: merged now, or never to be merged. A merged offer
-    whose steps an overwrite already dropped here (its step <= since) shares no step with the
-    current progress, so it is as if the merge had not taken this learner.
+    A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
+    step with the current progress: as if the merge had not taken this learner.
     """
-    if merged_step is None:
+    if merged_step is None or merged_step <= self._since[p]:
       return None, False
     with self._lock:
-      records = self._taken[p]
-      taken = records.get(merged_step)
-      for step in [s for s in records if s <= merged_step]:
-        del records[step]
-    if taken is None:
-      # Cannot happen while this learner object lives (offer() records before it returns). A
-      # learner restored from a snapshot has no records: dropping its local progress is safe,
-      # keeping it could merge those steps twice.
-      logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has "
-                      "no record of; overwriting", self.index, p, merged_step)
-      return None, True
-    if taken.step <= self._since[p]:
-      return None, False
-    return taken, False
+      taken = self._taken.get(p)
+      if taken is not None and taken.step == merged_step:
+        del self._taken[p]
+        return taken, False
+    # Cannot happen while this learner object lives (offer() records before it returns). A learner
+    # restored from a snapshot has no record: dropping its local progress is safe, keeping it
+    # could merge those steps twice.
+    logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has no "
+                    "record of; overwriting", self.index, p, merged_step)
+    return None, True
 
   # ---- lock-step baselines ----------------------------------------------------------------------
 
@@ -430,7 +428,7 @@ class Learner:
     for p in due:
       offer = self._offer_from(published, p)
       with self._lock:
-        self._taken[p][offer.step] = offer
+        self._taken[p] = offer
       self._offers_made[p] += 1
       self._syncer.post(offer)
 

@@ -85,7 +85,7 @@ def test_offer_is_the_published_fragment_with_its_counters_and_is_remembered(bui
   assert sorted(offer.values) == sorted(_names(built))
   _assert_all({n: np.asarray(v) for n, v in offer.values.items()}, 1.0)
   _assert_all(offer.anchor, 0.5)
-  assert learner._taken[P] == {5: offer}
+  assert learner._taken[P] is offer
 
 
 def test_offer_holding_steps_a_merge_took_is_stale_and_one_without_steps_is_nothing(built):
@@ -95,7 +95,7 @@ def test_offer_holding_steps_a_merge_took_is_stale_and_one_without_steps_is_noth
   assert learner.offer(P, 3) is messages.Answer.STALE
   _set(learner, built, 1.0, step=5, steps=0)
   assert learner.offer(P, 0) is messages.Answer.NOTHING
-  assert learner._taken[P] == {}
+  assert P not in learner._taken
 
 
 def test_broadcasts_apply_monotonically(built):
@@ -122,7 +122,7 @@ def test_overwrite_drops_the_steps_made_after_the_merged_offer(built):
   _assert_all(_values(learner, built), 0.25)
   assert (learner._counter_steps[P], learner._counter_tokens[P], learner._since[P]) == (0, 0, 7)
   assert learner.discarded_fragment_steps == 2
-  assert learner._taken[P] == {}
+  assert P not in learner._taken
 
 
 def test_keep_in_flight_progress_keeps_the_steps_made_after_the_merged_offer(built):
@@ -142,7 +142,7 @@ def test_keep_in_flight_progress_keeps_every_step_when_the_merge_left_this_learn
   learner._apply(_broadcast(built, 0.25, 1, {3: 9}))
   _assert_all(_values(learner, built), 0.25 + (3.0 - 0.5))
   assert (learner._counter_steps[P], learner._since[P]) == (7, 0)
-  assert learner._taken[P] == {5: learner._taken[P][5]}  # still waiting for its own merge
+  assert learner._taken[P].step == 5  # still waiting for its own merge
 
 
 def test_offer_anchored_behind_is_rebased_against_its_own_anchor(built):
@@ -177,3 +177,16 @@ def test_a_merge_of_steps_an_overwrite_already_dropped_keeps_the_newer_steps(bui
   learner._apply(_broadcast(built, 2.0, 2, {0: 5}))
   _assert_all(_values(learner, built), 2.0 + (1.75 - 0.75))
   assert (learner._counter_steps[P], learner._since[P]) == (1, 7)
+
+
+def test_a_learner_remembers_one_taken_offer_per_fragment(built):
+  """Memory stays bounded: an offer left out of its round is replaced by the next one taken."""
+  learner = _learner(built, keep_in_flight_progress=True)
+  _set(learner, built, 1.0, step=5, steps=5, anchor=0.5)
+  learner.offer(P, 0)  # its round closes without it (late)
+  _set(learner, built, 2.0, step=7, steps=7)
+  second = learner.offer(P, 0)
+  assert learner._taken == {P: second}
+  learner._apply(_broadcast(built, 0.25, 1, {0: 7}))
+  _assert_all(_values(learner, built), 0.25)  # every step was in the merged offer
+  assert learner._counter_steps[P] == 0 and learner._taken == {}
