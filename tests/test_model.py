@@ -1,4 +1,5 @@
-"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors."""
+"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors,
+and start-up programs that do not grow with depth."""
 
 import dataclasses
 import math
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from decoupled_diloco import model
@@ -209,3 +211,49 @@ def test_cross_entropy_of_uniform_logits_is_log_vocab():
 
 def test_num_params_counts_scalars():
   assert model.num_params({"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}) == 10
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up programs.
+
+
+def _initialiser_programs(cfg):
+  """StableHLO text of every program `init_params` compiles for `cfg`."""
+  # pylint: disable-next=protected-access
+  init_outside_blocks, init_block = model._initialisers(cfg, _mesh(1, 1))
+  key = jax.random.key(0)
+  return init_outside_blocks.lower(key).as_text() + init_block.lower(key, 0).as_text()
+
+
+def _whole_model_initialiser_program(cfg):
+  """For contrast, the initialiser `init_params` replaced: every block in one program."""
+  def init(key):
+    with nnx.use_eager_sharding(False):
+      return nnx.state(model.Transformer(cfg, rngs=nnx.Rngs(key)))
+  return jax.jit(init).lower(jax.random.key(0)).as_text()
+
+
+def test_initialiser_programs_do_not_grow_with_depth():
+  shallow, deep = (_initialiser_programs(dataclasses.replace(TINY, num_layers=n)) for n in (4, 16))
+  assert len(deep) <= 1.05 * len(shallow), (len(shallow), len(deep))
+  # The measure does catch an initialiser that unrolls the blocks (~2x: JAX shares the
+  # initialiser functions between blocks, the draws are still per block).
+  unrolled_shallow, unrolled_deep = (
+      _whole_model_initialiser_program(dataclasses.replace(TINY, num_layers=n)) for n in (4, 16))
+  assert len(unrolled_deep) > 1.5 * len(unrolled_shallow)
+
+
+def test_two_seeds_and_all_layers_reuse_one_compiled_initialiser():
+  cfg = dataclasses.replace(TINY, num_layers=3, embed_dim=48)  # Fresh: no other test compiles it.
+  mesh = _mesh(2, 1)
+  _, seed_0 = model.init_params(cfg, mesh, seed=0)
+  _, seed_1 = model.init_params(cfg, mesh, seed=1)
+  for name in seed_0:
+    if not name.endswith("norm/scale"):  # Norm scales start at zero whatever the seed.
+      assert not np.array_equal(seed_0[name], seed_1[name]), name
+  # Different layers draw different values from the same program.
+  assert not np.array_equal(seed_0["layers/0/mlp/up_proj/kernel"],
+                            seed_0["layers/2/mlp/up_proj/kernel"])
+  # The key and the layer index are arguments: one program each serves both seeds and all layers.
+  for initialiser in model._initialisers(cfg, mesh):  # pylint: disable=protected-access
+    assert initialiser._cache_size() == 1  # pylint: disable=protected-access
