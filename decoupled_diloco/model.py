@@ -48,6 +48,12 @@ _LAYERS = "layers/"
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+# `implementation=` of jax.nn.dot_product_attention: "xla" runs anywhere; "cudnn" is cuDNN flash
+# attention on NVIDIA GPUs. With JAX 0.10.2 (cuDNN >= 8.9.4) flash attention takes float16/bfloat16
+# only and head_dim a multiple of 8, at most 128 (256 from Hopper on); it no longer needs the
+# sequence length to be a multiple of 64 (cuDNN 8.9.0-8.9.3 did). It has no CPU kernel, so the
+# runtime config must also ask for GPU devices.
+_ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 # Which config field sets the size of a sharded logical axis, for error messages.
 _AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads"}
@@ -69,6 +75,7 @@ class ModelConfig:
   rope_base: float = 10_000.0  # Rotary embedding wavelength base.
   # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
   mlp_activation: str = "gelu"
+  attention: str = "xla"  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
 
   def __post_init__(self):
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim",
@@ -90,6 +97,23 @@ class ModelConfig:
           f"config.model.mlp_activation={self.mlp_activation!r} must be one of "
           f"{sorted(_ACTIVATIONS)}"
       )
+    if self.attention not in _ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(
+          f"config.model.attention={self.attention!r} must be one of "
+          f"{list(_ATTENTION_IMPLEMENTATIONS)}"
+      )
+    if self.attention == "cudnn":
+      # Caught here rather than as a NotImplementedError from inside the first GPU compile.
+      if self.dtype != "bfloat16":
+        raise ValueError(
+            f"config.model.dtype={self.dtype!r} must be 'bfloat16' with "
+            "config.model.attention='cudnn': cuDNN flash attention takes 16-bit inputs only"
+        )
+      if self.head_dim % 8 or self.head_dim > 256:
+        raise ValueError(
+            f"config.model.head_dim={self.head_dim} must be a multiple of 8 and at most 256 "
+            "(128 before Hopper) with config.model.attention='cudnn'"
+        )
 
   @classmethod
   def from_config(cls, cfg: ml_collections.ConfigDict) -> "ModelConfig":
@@ -214,6 +238,7 @@ class Attention(nnx.Module):
         "BLHK,HKD->BLD", (h, k, d), ("heads", "kv", "embed"), (0, 1), 2, cfg, rngs
     )
     self.rope_base = cfg.rope_base
+    self.implementation = cfg.attention
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     positions_L = jnp.arange(x_BxLxD.shape[1])
@@ -222,7 +247,7 @@ class Attention(nnx.Module):
     v_BxLxHxK = self.v_proj(x_BxLxD)
     # Scale 1/sqrt(head_dim) (the default); the XLA implementation does its softmax in float32.
     out_BxLxHxK = jax.nn.dot_product_attention(
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation="xla"
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.implementation
     )
     return self.o_proj(out_BxLxHxK)
 

@@ -176,6 +176,7 @@ def test_from_config_reads_fields_and_allows_head_width_unlike_embed_dim():
 @pytest.mark.parametrize("field, value", [
     ("num_heads", 0), ("embed_dim", -1), ("head_dim", 15), ("dtype", "float16"),
     ("rope_base", 0.5), ("mlp_activation", "relu"), ("num_layers", 2.0),
+    ("attention", "flash"),
 ])
 def test_from_config_errors_name_the_field(field, value):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
@@ -185,6 +186,31 @@ def test_from_config_errors_name_the_field(field, value):
 def test_from_config_rejects_unknown_fields():
   with pytest.raises(ValueError, match=r"config\.model\.num_head "):
     model.ModelConfig.from_config(ml_collections.ConfigDict({"num_head": 4}))
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(dtype="float32"), r"config\.model\.dtype='float32'"),
+    (dict(dtype="bfloat16", head_dim=12), r"config\.model\.head_dim=12"),
+])
+def test_cudnn_attention_rejects_what_flash_attention_cannot_run(fields, named):
+  with pytest.raises(ValueError, match=named):
+    model.ModelConfig(attention="cudnn", **fields)
+
+
+def test_attention_implementation_reaches_dot_product_attention(monkeypatch):
+  implementations = []
+  original = jax.nn.dot_product_attention
+
+  def spy(*args, implementation, **kwargs):
+    implementations.append(implementation)
+    # cuDNN has no CPU kernel: run XLA's, having recorded what was asked for.
+    return original(*args, implementation="xla", **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  cudnn = dataclasses.replace(TINY, attention="cudnn", dtype="bfloat16")
+  graphdef, params = model.init_params(cudnn, _mesh(1, 1), seed=0)
+  model.apply(graphdef, params, _tokens(1, 8))
+  assert implementations and set(implementations) == {"cudnn"}
 
 
 def test_heads_not_divisible_by_model_axis_is_an_error_naming_the_field():
