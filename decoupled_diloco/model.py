@@ -4,8 +4,9 @@ Architecture (Gemma, arXiv 2403.08295): tied token embedding scaled by sqrt(d) o
 blocks with rotary position embeddings, causal multi-head attention, a gated MLP (GeGLU by default,
 SwiGLU as an option), a final RMSNorm and logits through the same embedding matrix.
 
-Start-up should not grow with depth: the initialiser compiles one block's initialiser and calls it
-once per layer.
+Start-up should not grow with depth. The initialiser compiles one block's initialiser and calls it
+once per layer; with `scan_layers` the forward pass runs the blocks under `lax.scan`, so one block
+is traced and compiled whatever `num_layers`.
 
 Decoupled DiLoCo's syncer overwrites *fragments* (sets of whole tensors) by name, so the model is not
 handed around as an `nnx.Module` but as `(graphdef, params)` with `params: dict[str, jax.Array]` keyed
@@ -75,6 +76,15 @@ class ModelConfig:
   rope_base: float = 10_000.0  # Rotary embedding wavelength base.
   # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
   mlp_activation: str = "gelu"
+  # Run the blocks under lax.scan: their forward and backward are traced and compiled once whatever
+  # num_layers; False unrolls them in a Python loop. Parameters stay one flat entry per layer
+  # tensor either way. Off by default: on XLA:CPU it loses at 4-16 layers (measured 2026-11). XLA
+  # fuses each layer tensor's gradient, a slice of the stacked gradient, into that tensor's AdamW
+  # update, and these per-layer kernels do not deduplicate as the unrolled ones do, so the train
+  # step takes ~1.5-2x the CPU time to compile; and writing the activations saved for the backward
+  # pass into stacked buffers costs ~20% of the step rate. Meant for deep models on GPUs, where it
+  # is not measured yet.
+  scan_layers: bool = False
   attention: str = "xla"  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
 
   def __post_init__(self):
@@ -97,6 +107,8 @@ class ModelConfig:
           f"config.model.mlp_activation={self.mlp_activation!r} must be one of "
           f"{sorted(_ACTIVATIONS)}"
       )
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"config.model.scan_layers={self.scan_layers!r} must be True or False")
     if self.attention not in _ATTENTION_IMPLEMENTATIONS:
       raise ValueError(
           f"config.model.attention={self.attention!r} must be one of "
@@ -289,6 +301,7 @@ class Transformer(nnx.Module):
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.max_seq_len = cfg.max_seq_len
+    self.scan_layers = cfg.scan_layers
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     if tokens_BxL.ndim != 2:
@@ -299,9 +312,31 @@ class Transformer(nnx.Module):
           f"config.model.max_seq_len={self.max_seq_len}"
       )
     x_BxLxD = self.embedder.encode(tokens_BxL)
-    for block in self.layers:
-      x_BxLxD = block(x_BxLxD)
+    if self.scan_layers:
+      x_BxLxD = _scan_blocks(self.layers, x_BxLxD)
+    else:
+      for block in self.layers:
+        x_BxLxD = block(x_BxLxD)
     return self.embedder.decode(self.final_norm(x_BxLxD))
+
+
+def _scan_blocks(blocks: nnx.List, x_BxLxD: jax.Array) -> jax.Array:
+  """Runs `blocks` in order under `lax.scan`, so that one block is traced and compiled.
+
+  The per-layer tensors are stacked here, inside the traced function, because the flat dict with one
+  entry per layer tensor is what the syncer partitions and merges: a copy of the block weights per
+  step, and in the backward pass one slice of the stacked gradient per layer tensor. Sharding
+  propagates through the stack: a stacked tensor is split like its layers, no weight is gathered.
+  """
+  block_graphdef, _ = nnx.split(blocks[0])
+  layer_states = [nnx.state(block) for block in blocks]
+  stacked_state = jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *layer_states)
+
+  def body(x_BxLxD: jax.Array, block_state: nnx.State) -> tuple[jax.Array, None]:
+    return nnx.merge(block_graphdef, block_state)(x_BxLxD), None
+
+  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state)
+  return x_BxLxD
 
 
 # ----------------------------------------------------------------------------------------------
