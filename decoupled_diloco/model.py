@@ -4,6 +4,10 @@ Architecture (Gemma, arXiv 2403.08295): tied token embedding scaled by sqrt(d) o
 blocks with rotary position embeddings, causal multi-head attention, a gated MLP (GeGLU by default,
 SwiGLU as an option), a final RMSNorm and logits through the same embedding matrix.
 
+Start-up should not grow with depth. The initialiser compiles one block's initialiser and calls it
+once per layer; with `scan_layers` the forward pass runs the blocks under `lax.scan`, so one block
+is traced and compiled whatever `num_layers`.
+
 Decoupled DiLoCo's syncer overwrites *fragments* (sets of whole tensors) by name, so the model is not
 handed around as an `nnx.Module` but as `(graphdef, params)` with `params: dict[str, jax.Array]` keyed
 by '/'-joined module paths ("embedder/embedding", "layers/0/attn/q_proj/kernel", "final_norm/scale").
@@ -19,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +44,17 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
 
 # Flat name of the token embedding; the syncer merges it with a plain weighted average, not RDA.
 EMBEDDING_NAME = "embedder/embedding"
+# Flat names of block i's tensors start with f"{_LAYERS}{i}/" (the Transformer.layers attribute).
+_LAYERS = "layers/"
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+# `implementation=` of jax.nn.dot_product_attention: "xla" runs anywhere; "cudnn" is cuDNN flash
+# attention on NVIDIA GPUs. With JAX 0.10.2 (cuDNN >= 8.9.4) flash attention takes float16/bfloat16
+# only and head_dim a multiple of 8, at most 128 (256 from Hopper on); it no longer needs the
+# sequence length to be a multiple of 64 (cuDNN 8.9.0-8.9.3 did). It has no CPU kernel, so the
+# runtime config must also ask for GPU devices.
+_ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 # Which config field sets the size of a sharded logical axis, for error messages.
 _AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads"}
@@ -64,6 +76,16 @@ class ModelConfig:
   rope_base: float = 10_000.0  # Rotary embedding wavelength base.
   # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
   mlp_activation: str = "gelu"
+  # Run the blocks under lax.scan: their forward and backward are traced and compiled once whatever
+  # num_layers; False unrolls them in a Python loop. Parameters stay one flat entry per layer
+  # tensor either way. Off by default: on XLA:CPU it loses at 4-16 layers (measured 2026-11). XLA
+  # fuses each layer tensor's gradient, a slice of the stacked gradient, into that tensor's AdamW
+  # update, and these per-layer kernels do not deduplicate as the unrolled ones do, so the train
+  # step takes ~1.5-2x the CPU time to compile; and writing the activations saved for the backward
+  # pass into stacked buffers costs ~20% of the step rate. Meant for deep models on GPUs, where it
+  # is not measured yet.
+  scan_layers: bool = False
+  attention: str = "xla"  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
 
   def __post_init__(self):
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim",
@@ -85,6 +107,25 @@ class ModelConfig:
           f"config.model.mlp_activation={self.mlp_activation!r} must be one of "
           f"{sorted(_ACTIVATIONS)}"
       )
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"config.model.scan_layers={self.scan_layers!r} must be True or False")
+    if self.attention not in _ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(
+          f"config.model.attention={self.attention!r} must be one of "
+          f"{list(_ATTENTION_IMPLEMENTATIONS)}"
+      )
+    if self.attention == "cudnn":
+      # Caught here rather than as a NotImplementedError from inside the first GPU compile.
+      if self.dtype != "bfloat16":
+        raise ValueError(
+            f"config.model.dtype={self.dtype!r} must be 'bfloat16' with "
+            "config.model.attention='cudnn': cuDNN flash attention takes 16-bit inputs only"
+        )
+      if self.head_dim % 8 or self.head_dim > 256:
+        raise ValueError(
+            f"config.model.head_dim={self.head_dim} must be a multiple of 8 and at most 256 "
+            "(128 before Hopper) with config.model.attention='cudnn'"
+        )
 
   @classmethod
   def from_config(cls, cfg: ml_collections.ConfigDict) -> "ModelConfig":
@@ -209,6 +250,7 @@ class Attention(nnx.Module):
         "BLHK,HKD->BLD", (h, k, d), ("heads", "kv", "embed"), (0, 1), 2, cfg, rngs
     )
     self.rope_base = cfg.rope_base
+    self.implementation = cfg.attention
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     positions_L = jnp.arange(x_BxLxD.shape[1])
@@ -217,7 +259,7 @@ class Attention(nnx.Module):
     v_BxLxHxK = self.v_proj(x_BxLxD)
     # Scale 1/sqrt(head_dim) (the default); the XLA implementation does its softmax in float32.
     out_BxLxHxK = jax.nn.dot_product_attention(
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation="xla"
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.implementation
     )
     return self.o_proj(out_BxLxHxK)
 
@@ -259,6 +301,7 @@ class Transformer(nnx.Module):
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.max_seq_len = cfg.max_seq_len
+    self.scan_layers = cfg.scan_layers
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     if tokens_BxL.ndim != 2:
@@ -269,9 +312,31 @@ class Transformer(nnx.Module):
           f"config.model.max_seq_len={self.max_seq_len}"
       )
     x_BxLxD = self.embedder.encode(tokens_BxL)
-    for block in self.layers:
-      x_BxLxD = block(x_BxLxD)
+    if self.scan_layers:
+      x_BxLxD = _scan_blocks(self.layers, x_BxLxD)
+    else:
+      for block in self.layers:
+        x_BxLxD = block(x_BxLxD)
     return self.embedder.decode(self.final_norm(x_BxLxD))
+
+
+def _scan_blocks(blocks: nnx.List, x_BxLxD: jax.Array) -> jax.Array:
+  """Runs `blocks` in order under `lax.scan`, so that one block is traced and compiled.
+
+  The per-layer tensors are stacked here, inside the traced function, because the flat dict with one
+  entry per layer tensor is what the syncer partitions and merges: a copy of the block weights per
+  step, and in the backward pass one slice of the stacked gradient per layer tensor. Sharding
+  propagates through the stack: a stacked tensor is split like its layers, no weight is gathered.
+  """
+  block_graphdef, _ = nnx.split(blocks[0])
+  layer_states = [nnx.state(block) for block in blocks]
+  stacked_state = jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *layer_states)
+
+  def body(x_BxLxD: jax.Array, block_state: nnx.State) -> tuple[jax.Array, None]:
+    return nnx.merge(block_graphdef, block_state)(x_BxLxD), None
+
+  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state)
+  return x_BxLxD
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,19 +405,58 @@ def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
   return {name: shape for name, shape, _ in _abstract(cfg)[1]}
 
 
+def _init_outside_blocks(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
+  """The parameters outside the blocks (embedding, final norm), drawn from `key`."""
+  # Built as a one-block model whose block is dropped (XLA prunes it), so that this keeps up with
+  # Transformer.__init__ without restating it.
+  with nnx.use_eager_sharding(False):
+    shell = Transformer(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(key))
+  return {name: value for name, value in _flatten(nnx.state(shell)).items()
+          if not name.startswith(_LAYERS)}
+
+
+def _init_block(cfg: ModelConfig, key: jax.Array, layer: jax.Array) -> dict[str, jax.Array]:
+  """One block's parameters, keyed by their names within the block ("attn/q_proj/kernel")."""
+  with nnx.use_eager_sharding(False):
+    block = Block(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, layer)))
+  return _flatten(nnx.state(block))
+
+
+@functools.lru_cache(maxsize=32)
+def _initialisers(cfg: ModelConfig, mesh: Mesh) -> tuple[Callable[..., dict[str, jax.Array]], ...]:
+  """Jitted (key -> outside-block params, (key, layer) -> block params) of `cfg` on `mesh`.
+
+  Keys and the layer index are arguments, so one compiled pair serves every seed and every layer.
+  A vmap over the layers, split into per-layer outputs, would not do: XLA fuses the random draws
+  into each per-layer slice, and the compile grew with depth again (CPU: 5 s at 4 layers, 10 s
+  at 16).
+  """
+  shardings = param_shardings(cfg, mesh)
+  first_block = f"{_LAYERS}0/"
+  outside = {n: s for n, s in shardings.items() if not n.startswith(_LAYERS)}
+  block = {n.removeprefix(first_block): s for n, s in shardings.items()
+           if n.startswith(first_block)}
+  return (jax.jit(functools.partial(_init_outside_blocks, cfg), out_shardings=outside),
+          jax.jit(functools.partial(_init_block, cfg), out_shardings=block))
+
+
 def init_params(cfg: ModelConfig, mesh: Mesh, seed: int
                 ) -> tuple[nnx.GraphDef, dict[str, jax.Array]]:
   """Initialises the parameters directly in their sharded layout on `mesh`.
 
   Values depend only on `seed`, not on the mesh: JAX's partitionable threefry draws the same
   numbers whichever way the output is sharded, so every learner can start from identical weights.
+  The key is an argument of the compiled initialisers, never a constant folded into them: at 200M
+  parameters on an H100 the old whole-model initialiser, seed folded in, took 99-122 s to compile.
   """
   graphdef, _ = _abstract(cfg)
-  init_fn = jax.jit(
-      lambda: _flatten(nnx.state(_build(cfg, seed))),
-      out_shardings=param_shardings(cfg, mesh),
-  )
-  return graphdef, init_fn()
+  init_outside_blocks, init_block = _initialisers(cfg, mesh)
+  outside_key, blocks_key = jax.random.split(jax.random.key(seed))
+  params = init_outside_blocks(outside_key)
+  for layer in range(cfg.num_layers):
+    block = init_block(blocks_key, layer)
+    params.update({f"{_LAYERS}{layer}/{name}": value for name, value in block.items()})
+  return graphdef, {name: params[name] for name in param_shapes(cfg)}
 
 
 def apply(graphdef: nnx.GraphDef, params: dict[str, jax.Array], tokens_BxL: jax.Array

@@ -1,5 +1,6 @@
 """Tests of decoupled_diloco.inner: the AdamW schedule, sharded train state and jitted steps."""
 
+import dataclasses
 import functools
 
 import jax
@@ -37,14 +38,15 @@ def _batch(seed: int, batch: int = 4, length: int = 16) -> dict[str, np.ndarray]
 
 
 @functools.lru_cache(maxsize=None)
-def _setup(data: int, tensor: int):
+def _setup(data: int, tensor: int, scan_layers: bool = False):
   """(graphdef, shardings, fresh state, jitted step) on a data x tensor mesh, compiled once.
 
   Sharing is safe: states are immutable and the step does not donate its input.
   """
   mesh = _mesh(data, tensor)
-  graphdef, params = model.init_params(TINY, mesh, seed=0)
-  shardings = model.param_shardings(TINY, mesh)
+  cfg = dataclasses.replace(TINY, scan_layers=scan_layers)
+  graphdef, params = model.init_params(cfg, mesh, seed=0)
+  shardings = model.param_shardings(cfg, mesh)
   tx = inner.make_inner_optimizer(_inner_config(), TOTAL_STEPS)
   state = inner.init_train_state(params, tx, mesh, shardings)
   state_shardings = inner.train_state_shardings(state, mesh, shardings)
@@ -71,8 +73,9 @@ def test_first_step_moves_nothing_because_warmup_starts_at_zero():
     np.testing.assert_array_equal(state.params[name], new_state.params[name])
 
 
-def test_loss_decreases_on_a_repeated_batch():
-  _, _, state, step_fn = _setup(2, 1)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_loss_decreases_on_a_repeated_batch(scan_layers):
+  _, _, state, step_fn = _setup(2, 1, scan_layers)
   batch = _batch(0)
   losses = []
   for _ in range(30):
@@ -85,9 +88,10 @@ def test_loss_decreases_on_a_repeated_batch():
   assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("data, tensor", [(2, 1), (1, 2)])
-def test_step_keeps_param_and_moment_shardings(data, tensor):
-  _, shardings, state, step_fn = _setup(data, tensor)
+def test_step_keeps_param_and_moment_shardings(data, tensor, scan_layers):
+  _, shardings, state, step_fn = _setup(data, tensor, scan_layers)
   new_state, metrics = step_fn(state, _batch(0))
   for name, sharding in shardings.items():
     assert new_state.params[name].sharding == sharding, name
@@ -112,9 +116,10 @@ def test_old_state_stays_readable_after_a_step():
   _ = np.asarray(state.params[model.EMBEDDING_NAME])
 
 
-def test_two_device_data_parallel_matches_one_device():
-  _, _, state_2, step_2 = _setup(2, 1)
-  _, _, state_1, step_1 = _setup(1, 1)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_two_device_data_parallel_matches_one_device(scan_layers):
+  _, _, state_2, step_2 = _setup(2, 1, scan_layers)
+  _, _, state_1, step_1 = _setup(1, 1, scan_layers)
   for seed in range(4):
     batch = _batch(seed)
     state_2, metrics_2 = step_2(state_2, batch)
@@ -125,8 +130,9 @@ def test_two_device_data_parallel_matches_one_device():
     np.testing.assert_allclose(state_2.params[name], state_1.params[name], atol=1e-5)
 
 
-def test_eval_step_sums_nats_and_counts_tokens():
-  graphdef, shardings, state, step_fn = _setup(2, 1)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_eval_step_sums_nats_and_counts_tokens(scan_layers):
+  graphdef, shardings, state, step_fn = _setup(2, 1, scan_layers)
   eval_fn = inner.make_eval_step(graphdef, _mesh(2, 1), shardings)
   batch = _batch(3)
   sum_nats, num_tokens = eval_fn(state.params, batch)

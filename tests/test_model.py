@@ -1,6 +1,8 @@
-"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors."""
+"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors,
+scanned vs unrolled blocks, and start-up programs that do not grow with depth."""
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from decoupled_diloco import model
@@ -24,14 +27,20 @@ def _mesh(data: int, tensor: int) -> Mesh:
   return Mesh(devices, ("data", "model"))
 
 
-@pytest.fixture(scope="module")
-def replicated_init():
-  return model.init_params(TINY, _mesh(2, 1), seed=0)
+@pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "scanned"])
+def cfg(request):
+  """TINY with its blocks unrolled or under lax.scan: the forward-pass tests run on both."""
+  return dataclasses.replace(TINY, scan_layers=request.param)
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel_init():
-  return model.init_params(TINY, _mesh(1, 2), seed=0)
+def replicated_init(cfg):
+  return model.init_params(cfg, _mesh(2, 1), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_init(cfg):
+  return model.init_params(cfg, _mesh(1, 2), seed=0)
 
 
 def _logits(graphdef, params, tokens_BxL):
@@ -50,10 +59,10 @@ def test_logits_are_float32_batch_by_length_by_vocab(replicated_init):
   assert np.isfinite(np.asarray(logits_BxLxV)).all()
 
 
-def test_bfloat16_activations_still_give_float32_logits(replicated_init):
+def test_bfloat16_activations_still_give_float32_logits(cfg, replicated_init):
   graphdef, params = replicated_init
   graphdef_bf16, params_bf16 = model.init_params(
-      dataclasses.replace(TINY, dtype="bfloat16"), _mesh(1, 1), seed=0)
+      dataclasses.replace(cfg, dtype="bfloat16"), _mesh(1, 1), seed=0)
   assert all(p.dtype == jnp.float32 for p in params_bf16.values())
   logits_bf16 = _logits(graphdef_bf16, params_bf16, _tokens(2, 8))
   logits_f32 = _logits(graphdef, params, _tokens(2, 8))
@@ -174,6 +183,7 @@ def test_from_config_reads_fields_and_allows_head_width_unlike_embed_dim():
 @pytest.mark.parametrize("field, value", [
     ("num_heads", 0), ("embed_dim", -1), ("head_dim", 15), ("dtype", "float16"),
     ("rope_base", 0.5), ("mlp_activation", "relu"), ("num_layers", 2.0),
+    ("scan_layers", 1), ("attention", "flash"),
 ])
 def test_from_config_errors_name_the_field(field, value):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
@@ -183,6 +193,31 @@ def test_from_config_errors_name_the_field(field, value):
 def test_from_config_rejects_unknown_fields():
   with pytest.raises(ValueError, match=r"config\.model\.num_head "):
     model.ModelConfig.from_config(ml_collections.ConfigDict({"num_head": 4}))
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(dtype="float32"), r"config\.model\.dtype='float32'"),
+    (dict(dtype="bfloat16", head_dim=12), r"config\.model\.head_dim=12"),
+])
+def test_cudnn_attention_rejects_what_flash_attention_cannot_run(fields, named):
+  with pytest.raises(ValueError, match=named):
+    model.ModelConfig(attention="cudnn", **fields)
+
+
+def test_attention_implementation_reaches_dot_product_attention(monkeypatch):
+  implementations = []
+  original = jax.nn.dot_product_attention
+
+  def spy(*args, implementation, **kwargs):
+    implementations.append(implementation)
+    # cuDNN has no CPU kernel: run XLA's, having recorded what was asked for.
+    return original(*args, implementation="xla", **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  cudnn = dataclasses.replace(TINY, attention="cudnn", dtype="bfloat16")
+  graphdef, params = model.init_params(cudnn, _mesh(1, 1), seed=0)
+  model.apply(graphdef, params, _tokens(1, 8))
+  assert implementations and set(implementations) == {"cudnn"}
 
 
 def test_heads_not_divisible_by_model_axis_is_an_error_naming_the_field():
@@ -209,3 +244,100 @@ def test_cross_entropy_of_uniform_logits_is_log_vocab():
 
 def test_num_params_counts_scalars():
   assert model.num_params({"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}) == 10
+
+
+# ----------------------------------------------------------------------------------------------
+# Scanned blocks and start-up programs.
+
+
+def _loss(graphdef, params, tokens_BxL):
+  logits_BxLxV = model.apply(graphdef, params, tokens_BxL[:, :-1])
+  return jnp.mean(model.cross_entropy(logits_BxLxV, tokens_BxL[:, 1:]))
+
+
+def test_scanned_blocks_give_the_unrolled_logits_and_gradients():
+  # Three layers on a data x model mesh: the scan runs more than twice and its weights are split.
+  three = dataclasses.replace(TINY, num_layers=3)
+  mesh = _mesh(2, 2)
+  unrolled_graphdef, params = model.init_params(three, mesh, seed=0)
+  scanned_graphdef, scanned_params = model.init_params(
+      dataclasses.replace(three, scan_layers=True), mesh, seed=0)
+  for name in params:  # The initial values do not depend on how the blocks run.
+    np.testing.assert_array_equal(params[name], scanned_params[name], err_msg=name)
+  tokens_BxL = _tokens(4, 13)
+  np.testing.assert_allclose(
+      _logits(scanned_graphdef, params, tokens_BxL),
+      _logits(unrolled_graphdef, params, tokens_BxL), rtol=1e-5, atol=1e-5)
+  grad_fn = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)
+  scanned_loss, scanned_grads = grad_fn(scanned_graphdef, params, tokens_BxL)
+  unrolled_loss, unrolled_grads = grad_fn(unrolled_graphdef, params, tokens_BxL)
+  assert float(scanned_loss) == pytest.approx(float(unrolled_loss), rel=1e-6)
+  assert scanned_grads.keys() == params.keys()
+  for name in params:
+    # Gradients come out split like their parameters: the stack gathered no weight.
+    assert scanned_grads[name].sharding.is_equivalent_to(params[name].sharding,
+                                                         params[name].ndim), name
+    np.testing.assert_allclose(scanned_grads[name], unrolled_grads[name], rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+
+
+def _forward_and_gradient_program(cfg):
+  """StableHLO text of the loss and its gradient w.r.t. every flat parameter: a deterministic
+  stand-in for its compile time."""
+  # The graphdef without allocating parameters. pylint: disable-next=protected-access
+  graphdef = model._abstract(cfg)[0]
+  tokens = jax.ShapeDtypeStruct((2, cfg.max_seq_len + 1), jnp.int32)
+  grad_fn = jax.jit(jax.value_and_grad(functools.partial(_loss, graphdef), argnums=0))
+  return grad_fn.lower(model.param_shapes(cfg), tokens).as_text()
+
+
+@pytest.mark.parametrize("scan_layers, bounds", [(True, (1.0, 1.5)), (False, (3.0, 5.0))])
+def test_scanned_gradient_program_hardly_grows_with_depth(scan_layers, bounds):
+  # Scanned, what is left grows by one stack operand and one gradient slice per layer tensor (the
+  # flat interface), ~4 KB of text per layer against ~35 KB unrolled.
+  shallow, deep = (_forward_and_gradient_program(
+      dataclasses.replace(TINY, num_layers=n, scan_layers=scan_layers)) for n in (4, 16))
+  low, high = bounds
+  assert low <= len(deep) / len(shallow) <= high, (len(shallow), len(deep))
+
+
+def _initialiser_programs(cfg):
+  """StableHLO text of every program `init_params` compiles for `cfg`."""
+  # pylint: disable-next=protected-access
+  init_outside_blocks, init_block = model._initialisers(cfg, _mesh(1, 1))
+  key = jax.random.key(0)
+  return init_outside_blocks.lower(key).as_text() + init_block.lower(key, 0).as_text()
+
+
+def _whole_model_initialiser_program(cfg):
+  """For contrast, the initialiser `init_params` replaced: every block in one program."""
+  def init(key):
+    with nnx.use_eager_sharding(False):
+      return nnx.state(model.Transformer(cfg, rngs=nnx.Rngs(key)))
+  return jax.jit(init).lower(jax.random.key(0)).as_text()
+
+
+def test_initialiser_programs_do_not_grow_with_depth():
+  shallow, deep = (_initialiser_programs(dataclasses.replace(TINY, num_layers=n)) for n in (4, 16))
+  assert len(deep) <= 1.05 * len(shallow), (len(shallow), len(deep))
+  # The measure does catch an initialiser that unrolls the blocks (~2x: JAX shares the
+  # initialiser functions between blocks, the draws are still per block).
+  unrolled_shallow, unrolled_deep = (
+      _whole_model_initialiser_program(dataclasses.replace(TINY, num_layers=n)) for n in (4, 16))
+  assert len(unrolled_deep) > 1.5 * len(unrolled_shallow)
+
+
+def test_two_seeds_and_all_layers_reuse_one_compiled_initialiser():
+  cfg = dataclasses.replace(TINY, num_layers=3, embed_dim=48)  # Fresh: no other test compiles it.
+  mesh = _mesh(2, 1)
+  _, seed_0 = model.init_params(cfg, mesh, seed=0)
+  _, seed_1 = model.init_params(cfg, mesh, seed=1)
+  for name in seed_0:
+    if not name.endswith("norm/scale"):  # Norm scales start at zero whatever the seed.
+      assert not np.array_equal(seed_0[name], seed_1[name]), name
+  # Different layers draw different values from the same program.
+  assert not np.array_equal(seed_0["layers/0/mlp/up_proj/kernel"],
+                            seed_0["layers/2/mlp/up_proj/kernel"])
+  # The key and the layer index are arguments: one program each serves both seeds and all layers.
+  for initialiser in model._initialisers(cfg, mesh):  # pylint: disable=protected-access
+    assert initialiser._cache_size() == 1  # pylint: disable=protected-access
