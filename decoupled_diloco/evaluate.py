@@ -37,7 +37,7 @@ class Evaluator:
 
   def compile(self) -> None:
     """Compiles the eval step ahead of time, so the build reports what it costs."""
-    params = model_lib.param_shapes(self._model_cfg)
+    params = model_lib.native_shapes(self._model_cfg)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._batches[0].items()}
     self._step = self._step.lower(params, batch).compile()
 

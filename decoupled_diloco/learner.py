@@ -41,6 +41,7 @@ from decoupled_diloco import fragments as fragments_lib
 from decoupled_diloco import inner
 from decoupled_diloco import messages
 from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import model as model_lib
 from decoupled_diloco import schedule as schedule_lib
 
 
@@ -96,10 +97,15 @@ class Learner:
       metrics: metrics_lib.MetricsWriter | None = None,
       snapshot: LearnerSnapshot | None = None,
       step_hook: Callable[[int, int], None] | None = None,
+      layout: model_lib.ParamLayout | None = None,
   ):
     self.index = index
     self._train_step = train_step
-    self._shardings = param_shardings
+    self._shardings = param_shardings  # of the native parameters
+    # Fragments and merges name flat tensors (one per layer tensor); the layout finds them in the
+    # native parameters, which may stack the layers.
+    self._layout = layout or model_lib.ParamLayout({n: (n, None) for n in param_shardings}, 0)
+    self._flat_shardings = self._layout.flat_shardings(param_shardings)
     self._batches = batches
     self._fragments = tuple(fragments)
     self._options = options
@@ -113,7 +119,7 @@ class Learner:
       self._counter_steps = np.zeros(num_fragments, np.int64)
       self._counter_tokens = np.zeros(num_fragments, np.int64)
       self._since = np.zeros(num_fragments, np.int64)
-      host = jax.device_get(state.params)
+      host = self._layout.to_flat(jax.device_get(state.params))
       self._anchors = {name: np.asarray(v, np.float32) for name, v in host.items()}
       self._anchor_versions = np.zeros(num_fragments, np.int64)
     else:
@@ -190,8 +196,13 @@ class Learner:
     return self._published
 
   def params(self) -> dict[str, jax.Array]:
-    """References to the latest published parameters (for evaluation; never blocks the learner)."""
+    """The latest published parameters, native layout (for evaluation; never blocks the learner)."""
     return dict(self._published.params)
+
+  def flat_params(self) -> dict[str, jax.Array]:
+    """The latest published parameters, one array per flat tensor."""
+    params = self._published.params
+    return {name: self._layout.get(params, name) for name in self._layout.where}
 
   def snapshot(self) -> LearnerSnapshot:
     """Host copy of the whole state. Call only while the learner's thread is not running."""
@@ -313,7 +324,7 @@ class Learner:
 
   def _offer_from(self, published: messages.Publication, p: int) -> messages.Offer:
     names = self._fragments[p].names
-    values = {name: published.params[name] for name in names}
+    values = {name: self._layout.get(published.params, name) for name in names}
     for array in values.values():
       if hasattr(array, "copy_to_host_async"):
         array.copy_to_host_async()  # the pull: runs while the learner computes
@@ -346,10 +357,11 @@ class Learner:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
     taken, unknown = self._merged_record(p, broadcast.merged_offers.get(self.index))
     keep = (self._options.keep_in_flight_progress or self._finished) and not unknown
-    params = dict(self._state.params)
-    anchors = dict(self._anchors)
+    params = self._state.params
+    anchors, updates = dict(self._anchors), {}
     for name, encoded in broadcast.values.items():
       theta_global = compression.decode(encoded)
+      now = self._layout.get(params, name)
       if keep and taken is not None:
         # The merge took this learner's steps up to the offer: keep those after it. Progress is
         # relative to an anchor, and the offer's may be older than the current one (a merge
@@ -357,17 +369,17 @@ class Learner:
         base = theta_global
         if taken.anchor_version != self._anchor_versions[p]:
           base = theta_global - self._anchors[name] + taken.anchor[name]
-        merged = self._rebase(base, params[name], taken.values[name], name)
+        merged = self._rebase(base, now, taken.values[name], name)
       elif keep:
         # None of the unmerged steps is in this merge: move onto Theta_p and keep them all.
-        merged = self._rebase(theta_global, params[name], self._anchors[name], name)
+        merged = self._rebase(theta_global, now, self._anchors[name], name)
       else:
-        merged = jax.device_put(theta_global, self._shardings[name])
+        merged = jax.device_put(theta_global, self._flat_shardings[name])
       if self._options.alpha:
-        merged = _mix(params[name], merged, self._options.alpha)
-      params[name] = merged
+        merged = _mix(now, merged, self._options.alpha)
+      updates[name] = merged
       anchors[name] = theta_global
-    self._state = self._state._replace(params=params)
+    self._state = self._state._replace(params=self._layout.set(params, updates))
     self._anchors = anchors
     self._anchor_versions[p] = broadcast.version
     if keep:
@@ -389,11 +401,10 @@ class Learner:
     last step the state is complete and the devices idle: the host does it, which compiles nothing
     (a device program would be compiled once per tensor shape and learner, for a handful of uses).
     """
+    sharding = self._flat_shardings[name]
     if self._finished:
       now_host = np.asarray(now, np.float32)
-      return jax.device_put(base + (now_host - np.asarray(offered, np.float32)),
-                            self._shardings[name])
-    sharding = self._shardings[name]
+      return jax.device_put(base + (now_host - np.asarray(offered, np.float32)), sharding)
     return _rebase(jax.device_put(base, sharding), now, jax.device_put(offered, sharding))
 
   def _merged_record(self, p: int, merged_step: int | None

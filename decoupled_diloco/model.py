@@ -5,13 +5,18 @@ blocks with rotary position embeddings, causal multi-head attention, a gated MLP
 SwiGLU as an option), a final RMSNorm and logits through the same embedding matrix.
 
 Start-up should not grow with depth. The initialiser compiles one block's initialiser and calls it
-once per layer; with `scan_layers` the forward pass runs the blocks under `lax.scan`, so one block
-is traced and compiled whatever `num_layers`.
+once per layer. With `scan_layers` each kind of block tensor is stored stacked on a leading layer
+axis (the *native* layout, as MaxText does): the forward pass scans one block over the stack, and
+the optimizer updates one stacked array per kind, so the train step is traced and compiled once
+whatever `num_layers`.
 
 Decoupled DiLoCo's syncer overwrites *fragments* (sets of whole tensors) by name, so the model is not
 handed around as an `nnx.Module` but as `(graphdef, params)` with `params: dict[str, jax.Array]` keyed
-by '/'-joined module paths ("embedder/embedding", "layers/0/attn/q_proj/kernel", "final_norm/scale").
-`apply` re-assembles the module inside the traced function, so it stays pure and jittable.
+by '/'-joined module paths. The *flat* names, one per layer tensor ("embedder/embedding",
+"layers/0/attn/q_proj/kernel", "final_norm/scale"), are what fragments and the syncer see whatever
+the layout; `ParamLayout` reads and writes one flat tensor of native parameters (a stacked layer
+tensor "layers/attn/q_proj/kernel" holds "layers/<i>/attn/q_proj/kernel" at index i). `apply`
+re-assembles the module inside the traced function, so it stays pure and jittable.
 
 Every parameter carries logical axis names (`nnx.with_partitioning`); `LOGICAL_AXIS_RULES` maps them to
 the ("data", "model") mesh of one learner: plain data parallelism replicates the weights, and the
@@ -28,6 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -76,14 +82,11 @@ class ModelConfig:
   rope_base: float = 10_000.0  # Rotary embedding wavelength base.
   # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
   mlp_activation: str = "gelu"
-  # Run the blocks under lax.scan: their forward and backward are traced and compiled once whatever
-  # num_layers; False unrolls them in a Python loop. Parameters stay one flat entry per layer
-  # tensor either way. Off by default: on XLA:CPU it loses at 4-16 layers (measured 2026-11). XLA
-  # fuses each layer tensor's gradient, a slice of the stacked gradient, into that tensor's AdamW
-  # update, and these per-layer kernels do not deduplicate as the unrolled ones do, so the train
-  # step takes ~1.5-2x the CPU time to compile; and writing the activations saved for the backward
-  # pass into stacked buffers costs ~20% of the step rate. Meant for deep models on GPUs, where it
-  # is not measured yet.
+  # Store each kind of block tensor stacked on a leading layer axis and run the blocks under
+  # lax.scan: the train and eval steps are traced and compiled once whatever num_layers (MaxText's
+  # scan_layers). False unrolls the blocks over one tensor per layer. Off by default for the tiny
+  # CPU models, where the unrolled step runs ~20% faster (XLA:CPU writes the activations saved for
+  # the backward pass into stacked buffers); on for deep models, whose start-up it bounds.
   scan_layers: bool = False
   attention: str = "xla"  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
 
@@ -301,9 +304,18 @@ class Transformer(nnx.Module):
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.max_seq_len = cfg.max_seq_len
-    self.scan_layers = cfg.scan_layers
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    return self.forward(tokens_BxL, self._run_blocks)
+
+  def _run_blocks(self, x_BxLxD: jax.Array) -> jax.Array:
+    for block in self.layers:
+      x_BxLxD = block(x_BxLxD)
+    return x_BxLxD
+
+  def forward(self, tokens_BxL: jax.Array,
+              run_blocks: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Embedding, `run_blocks`, final norm, logits: the blocks may come from elsewhere (a scan)."""
     if tokens_BxL.ndim != 2:
       raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxL.shape}")
     if tokens_BxL.shape[1] > self.max_seq_len:
@@ -312,31 +324,17 @@ class Transformer(nnx.Module):
           f"config.model.max_seq_len={self.max_seq_len}"
       )
     x_BxLxD = self.embedder.encode(tokens_BxL)
-    if self.scan_layers:
-      x_BxLxD = _scan_blocks(self.layers, x_BxLxD)
-    else:
-      for block in self.layers:
-        x_BxLxD = block(x_BxLxD)
+    x_BxLxD = run_blocks(x_BxLxD)
     return self.embedder.decode(self.final_norm(x_BxLxD))
 
 
-def _scan_blocks(blocks: nnx.List, x_BxLxD: jax.Array) -> jax.Array:
-  """Runs `blocks` in order under `lax.scan`, so that one block is traced and compiled.
+@dataclasses.dataclass(frozen=True)
+class StackedGraph:
+  """The graph of a model whose block tensors are stacked: the model without its blocks, and one
+  block (`apply` scans it over the layer axis)."""
 
-  The per-layer tensors are stacked here, inside the traced function, because the flat dict with one
-  entry per layer tensor is what the syncer partitions and merges: a copy of the block weights per
-  step, and in the backward pass one slice of the stacked gradient per layer tensor. Sharding
-  propagates through the stack: a stacked tensor is split like its layers, no weight is gathered.
-  """
-  block_graphdef, _ = nnx.split(blocks[0])
-  layer_states = [nnx.state(block) for block in blocks]
-  stacked_state = jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *layer_states)
-
-  def body(x_BxLxD: jax.Array, block_state: nnx.State) -> tuple[jax.Array, None]:
-    return nnx.merge(block_graphdef, block_state)(x_BxLxD), None
-
-  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state)
-  return x_BxLxD
+  shell: nnx.GraphDef
+  block: nnx.GraphDef
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,10 +383,35 @@ def logical_to_mesh_spec(axes: tuple[str | None, ...]) -> P:
   return P(*(rules.get(axis) if axis is not None else None for axis in axes))
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
-  """NamedSharding of every parameter on `mesh`, from its logical axes; keys as `init_params`."""
-  shardings = {}
+def _is_layer(name: str) -> bool:
+  return name.startswith(_LAYERS)
+
+
+def _layer_rest(name: str) -> str:
+  """"layers/3/attn/q_proj/kernel" -> "attn/q_proj/kernel"."""
+  return name[len(_LAYERS):].split("/", 1)[1]
+
+
+@functools.lru_cache(maxsize=32)
+def _native(cfg: ModelConfig) -> tuple[tuple[str, Any, tuple], ...]:
+  """(native name, ShapeDtypeStruct, logical axes) of every native parameter."""
+  if not cfg.scan_layers:
+    return _abstract(cfg)[1]
+  entries, first = [], f"{_LAYERS}0/"
   for name, shape, axes in _abstract(cfg)[1]:
+    if not _is_layer(name):
+      entries.append((name, shape, axes))
+    elif name.startswith(first):
+      stacked = jax.ShapeDtypeStruct((cfg.num_layers,) + shape.shape, shape.dtype)
+      entries.append((_LAYERS + _layer_rest(name), stacked, ("layers",) + tuple(axes)))
+  return tuple(entries)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
+  """NamedSharding of every native parameter on `mesh`, from its logical axes (the layer axis of
+  a stacked tensor is never split); keys as `init_params`."""
+  shardings = {}
+  for name, shape, axes in _native(cfg):
     spec = logical_to_mesh_spec(axes)
     for size, axis, mesh_axis in zip(shape.shape, axes, spec):
       if mesh_axis is not None and size % mesh.shape[mesh_axis]:
@@ -401,8 +424,94 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes and dtypes of every parameter, without allocating any."""
+  """Shapes and dtypes of every flat parameter (one per layer tensor), without allocating any.
+
+  These are what fragments partition and the syncer merges, whatever the native layout.
+  """
   return {name: shape for name, shape, _ in _abstract(cfg)[1]}
+
+
+def native_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """Shapes of the native parameters, as `init_params` returns and the train state holds them."""
+  return {name: shape for name, shape, _ in _native(cfg)}
+
+
+@jax.jit
+def _layer_of(stacked: jax.Array, layer: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_index_in_dim(stacked, layer, axis=0, keepdims=False)
+
+
+@jax.jit
+def _with_layer(stacked: jax.Array, value: jax.Array, layer: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), layer, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+  """Where each flat tensor sits in the native parameters.
+
+  `where[flat name] = (native name, layer)`, layer None for a tensor stored whole. Reading or
+  writing one layer of a stacked tensor is a jitted dynamic slice whose index is an argument: one
+  program per tensor kind, whatever the depth. Writes return new arrays (never in place): a
+  learner's published parameters stay valid while its state moves on.
+  """
+
+  where: dict[str, tuple[str, int | None]]
+  num_layers: int
+
+  @property
+  def stacked(self) -> bool:
+    return any(layer is not None for _, layer in self.where.values())
+
+  def get(self, params: dict[str, Any], name: str) -> jax.Array:
+    native, layer = self.where[name]
+    return params[native] if layer is None else _layer_of(params[native], layer)
+
+  def set(self, params: dict[str, Any], updates: dict[str, jax.Array]) -> dict[str, Any]:
+    """`params` with the flat tensors of `updates` replaced (a new dict)."""
+    new = dict(params)
+    for name, value in updates.items():
+      native, layer = self.where[name]
+      new[native] = value if layer is None else _with_layer(new[native], value, layer)
+    return new
+
+  def to_flat(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host native parameters as flat ones (views, no copy)."""
+    return {name: params[native] if layer is None else params[native][layer]
+            for name, (native, layer) in self.where.items()}
+
+  def to_native(self, flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host flat parameters in the native layout (stacked tensors are copied together)."""
+    native: dict[str, Any] = {}
+    for name, (target, layer) in self.where.items():
+      if layer is None:
+        native[target] = flat[name]
+      else:
+        native.setdefault(target, [None] * self.num_layers)[layer] = flat[name]
+    return {n: np.stack(v) if isinstance(v, list) else v for n, v in native.items()}
+
+  def flat_shardings(self, shardings: dict[str, NamedSharding]) -> dict[str, NamedSharding]:
+    """The sharding of each flat tensor, from the native ones (a stacked tensor's, less its layer
+    axis)."""
+    out = {}
+    for name, (native, layer) in self.where.items():
+      sharding = shardings[native]
+      out[name] = sharding if layer is None else NamedSharding(sharding.mesh,
+                                                               P(*sharding.spec[1:]))
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def param_layout(cfg: ModelConfig) -> ParamLayout:
+  """The flat tensors' places in the native parameters of `cfg`."""
+  where = {}
+  for name in param_shapes(cfg):
+    if cfg.scan_layers and _is_layer(name):
+      layer = int(name[len(_LAYERS):].split("/", 1)[0])
+      where[name] = (_LAYERS + _layer_rest(name), layer)
+    else:
+      where[name] = (name, None)
+  return ParamLayout(where, cfg.num_layers)
 
 
 def _init_outside_blocks(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
@@ -431,7 +540,7 @@ def _initialisers(cfg: ModelConfig, mesh: Mesh) -> tuple[Callable[..., dict[str,
   into each per-layer slice, and the compile grew with depth again (CPU: 5 s at 4 layers, 10 s
   at 16).
   """
-  shardings = param_shardings(cfg, mesh)
+  shardings = param_layout(cfg).flat_shardings(param_shardings(cfg, mesh))
   first_block = f"{_LAYERS}0/"
   outside = {n: s for n, s in shardings.items() if not n.startswith(_LAYERS)}
   block = {n.removeprefix(first_block): s for n, s in shardings.items()
@@ -441,30 +550,72 @@ def _initialisers(cfg: ModelConfig, mesh: Mesh) -> tuple[Callable[..., dict[str,
 
 
 def init_params(cfg: ModelConfig, mesh: Mesh, seed: int
-                ) -> tuple[nnx.GraphDef, dict[str, jax.Array]]:
-  """Initialises the parameters directly in their sharded layout on `mesh`.
+                ) -> tuple[nnx.GraphDef | StackedGraph, dict[str, jax.Array]]:
+  """Initialises the parameters directly in their sharded native layout on `mesh`.
 
-  Values depend only on `seed`, not on the mesh: JAX's partitionable threefry draws the same
-  numbers whichever way the output is sharded, so every learner can start from identical weights.
-  The key is an argument of the compiled initialisers, never a constant folded into them: at 200M
-  parameters on an H100 the old whole-model initialiser, seed folded in, took 99-122 s to compile.
+  Values depend only on `seed`, not on the mesh or the layout: JAX's partitionable threefry draws
+  the same numbers whichever way the output is sharded, so every learner can start from identical
+  weights. The key is an argument of the compiled initialisers, never a constant folded into them:
+  at 200M parameters on an H100 the old whole-model initialiser, seed folded in, took 99-122 s to
+  compile.
   """
-  graphdef, _ = _abstract(cfg)
   init_outside_blocks, init_block = _initialisers(cfg, mesh)
   outside_key, blocks_key = jax.random.split(jax.random.key(seed))
   params = init_outside_blocks(outside_key)
+  layout = param_layout(cfg)
+  if layout.stacked:
+    shardings = param_shardings(cfg, mesh)
+    for name, shape in native_shapes(cfg).items():
+      if _is_layer(name):
+        params[name] = jax.jit(functools.partial(jnp.zeros, shape.shape, shape.dtype),
+                               out_shardings=shardings[name])()
   for layer in range(cfg.num_layers):
     block = init_block(blocks_key, layer)
-    params.update({f"{_LAYERS}{layer}/{name}": value for name, value in block.items()})
-  return graphdef, {name: params[name] for name in param_shapes(cfg)}
+    updates = {f"{_LAYERS}{layer}/{name}": value for name, value in block.items()}
+    params = layout.set(params, updates) if layout.stacked else {**params, **updates}
+  return graph(cfg), {name: params[name] for name in native_shapes(cfg)}
 
 
-def apply(graphdef: nnx.GraphDef, params: dict[str, jax.Array], tokens_BxL: jax.Array
-          ) -> jax.Array:
-  """Pure forward pass: float32 logits_BxLxV for `tokens_BxL` under the flat `params`."""
-  state = nnx.from_flat_state({_path(name): value for name, value in params.items()})
-  model = nnx.merge(graphdef, state)
-  return model(tokens_BxL)
+@functools.lru_cache(maxsize=32)
+def graph(cfg: ModelConfig) -> nnx.GraphDef | StackedGraph:
+  """What `apply` needs besides the parameters: the model's graphdef, or for stacked blocks the
+  model without blocks and one block."""
+  if not cfg.scan_layers:
+    return _abstract(cfg)[0]
+  def without_blocks() -> Transformer:
+    model = _build(dataclasses.replace(cfg, num_layers=1), 0)
+    model.layers = nnx.List([])
+    return model
+
+  shell = nnx.eval_shape(without_blocks)
+  def one_block() -> Block:
+    with nnx.use_eager_sharding(False):
+      return Block(cfg, rngs=nnx.Rngs(0))
+
+  block = nnx.eval_shape(one_block)
+  return StackedGraph(nnx.split(shell)[0], nnx.split(block)[0])
+
+
+def _state(params: dict[str, Any]) -> nnx.State:
+  return nnx.from_flat_state({_path(name): value for name, value in params.items()})
+
+
+def apply(graphdef: nnx.GraphDef | StackedGraph, params: dict[str, jax.Array],
+          tokens_BxL: jax.Array) -> jax.Array:
+  """Pure forward pass: float32 logits_BxLxV for `tokens_BxL` under the native `params`."""
+  if not isinstance(graphdef, StackedGraph):
+    return nnx.merge(graphdef, _state(params))(tokens_BxL)
+  shell = nnx.merge(graphdef.shell, _state({n: v for n, v in params.items() if not _is_layer(n)}))
+  stacked = _state({n[len(_LAYERS):]: v for n, v in params.items() if _is_layer(n)})
+
+  def run_blocks(x_BxLxD: jax.Array) -> jax.Array:
+    def body(x_BxLxD, block_state):
+      return nnx.merge(graphdef.block, block_state)(x_BxLxD), None
+
+    x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked)
+    return x_BxLxD
+
+  return shell.forward(tokens_BxL, run_blocks)
 
 
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:

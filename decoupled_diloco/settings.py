@@ -194,6 +194,10 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   inner.make_inner_optimizer(config.inner, num_steps)
   model_cfg = model_lib.ModelConfig.from_config(config.model)
 
+  if model_cfg.attention == "cudnn" and _get(config, "devices.platform") != "gpu":
+    _fail("model.attention", model_cfg.attention,
+          "needs config.devices.platform='gpu' (cuDNN flash attention has no CPU or TPU kernel)")
+
   seq_len = _check_int(config, "data.seq_len", 1)
   batch_size = _check_int(config, "data.batch_size", 1)
   _check_float(config, "data.eval_fraction", 0.0, 0.5, low_open=True)

@@ -84,6 +84,7 @@ def build(config: ml_collections.ConfigDict, *,
       keep_in_flight_progress=config.merge.keep_in_flight_progress,
       log_every=config.log_every,
   )
+  layout = model_lib.param_layout(model_cfg)
   built, graphdef, initial = [], None, None
   compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
                      "syncer_compile_s": 0.0}
@@ -111,7 +112,7 @@ def build(config: ml_collections.ConfigDict, *,
   syncer = None
   if sync is not None:
     syncer = syncer_lib.Syncer(
-        sync=sync, fragments=fragments, initial_params=initial, mesh=syncer_mesh,
+        sync=sync, fragments=fragments, initial_params=layout.to_flat(initial), mesh=syncer_mesh,
         outer_tx=outer.make_outer_optimizer(config.outer.name, config.outer.learning_rate,
                                             config.outer.momentum),
         options=global_model_lib.MergeOptions(
@@ -127,7 +128,7 @@ def build(config: ml_collections.ConfigDict, *,
   for index, (train_step, state, shardings, batches) in enumerate(built):
     learner = learner_lib.Learner(
         index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
-        fragments=fragments, syncer=syncer, metrics=metrics, step_hook=step_hook,
+        fragments=fragments, syncer=syncer, metrics=metrics, step_hook=step_hook, layout=layout,
         options=dataclasses.replace(options, step_delay_s=settings.learner_step_delays_s[index]))
     learners.append(learner)
     if syncer is not None:
@@ -151,9 +152,9 @@ def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
 
 
 def global_params(run: Run) -> dict[str, Any]:
-  """The global model: the syncer's Theta, or the single learner's parameters in dp mode."""
+  """The global model in the native layout: the syncer's Theta, or in dp mode the learner's."""
   if run.syncer is not None:
-    return run.syncer.global_params()
+    return model_lib.param_layout(run.settings.model).to_native(run.syncer.global_params())
   return run.learners[0].params()
 
 

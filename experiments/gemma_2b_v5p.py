@@ -41,6 +41,7 @@ def get_config():
   config.model.mlp_dim = 16_384
   config.model.max_seq_len = 8192
   config.model.dtype = "bfloat16"
+  config.model.scan_layers = True  # 18 layers: one compiled block, start-up independent of depth
   config.data.seq_len = 8192
   config.data.batch_size = 64  # per learner: 8 x 64 x 8192 tokens per step across learners
   return config

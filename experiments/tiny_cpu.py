@@ -100,6 +100,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.max_seq_len = 128
   config.model.dtype = "float32"  # activations; bfloat16 on TPU
   config.model.rope_base = 10_000.0
+  # Stack each kind of layer tensor on a leading axis and scan the blocks: start-up then does not
+  # grow with depth (16 layers build in 1.07x the time of 4, against 2.6x unrolled). Off here: at 4
+  # layers on CPU the unrolled step compiles and runs faster.
+  config.model.scan_layers = False
+  # xla | cudnn (flash attention on NVIDIA GPUs: bfloat16 only, devices.platform=gpu).
+  config.model.attention = "xla"
 
   config.data = ml_collections.ConfigDict()
   config.data.path = ""  # a text file, read as bytes; "" = the bundled tiny-shakespeare corpus

@@ -36,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = {
     "200m": {"model.embed_dim": 1024, "model.num_layers": 12, "model.num_heads": 16,
              "model.head_dim": 64, "model.mlp_dim": 4096, "model.max_seq_len": 1024,
-             "model.dtype": "bfloat16", "data.seq_len": 1024, "data.batch_size": 32},
+             "model.dtype": "bfloat16", "model.scan_layers": True, "data.seq_len": 1024,
+             "data.batch_size": 32},
     "34m": {"model.embed_dim": 512, "model.num_layers": 8, "model.num_heads": 8,
             "model.head_dim": 64, "model.mlp_dim": 2048, "model.max_seq_len": 128,
             "model.dtype": "float32", "data.seq_len": 128, "data.batch_size": 4},

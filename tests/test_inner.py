@@ -142,6 +142,30 @@ def test_eval_step_sums_nats_and_counts_tokens(scan_layers):
   assert float(sum_nats) / int(num_tokens) == pytest.approx(float(metrics["loss"]), rel=1e-5)
 
 
+def _train_step_program(num_layers: int, scan_layers: bool) -> str:
+  """StableHLO text of the whole train step (forward, backward, AdamW): a deterministic stand-in
+  for its compile time."""
+  mesh = _mesh(1, 1)
+  cfg = dataclasses.replace(TINY, num_layers=num_layers, scan_layers=scan_layers)
+  shardings = model.param_shardings(cfg, mesh)
+  tx = inner.make_inner_optimizer(_inner_config(), TOTAL_STEPS)
+  params = model.native_shapes(cfg)
+  state = inner.TrainState(params, jax.eval_shape(tx.init, params),
+                           jax.ShapeDtypeStruct((), jnp.int32))
+  step = inner.make_train_step(model.graph(cfg), tx, mesh,
+                               inner.train_state_shardings(state, mesh, shardings))
+  batch = {k: jax.ShapeDtypeStruct((4, 16), jnp.int32) for k in ("inputs", "targets")}
+  return step.lower(state, batch).as_text()
+
+
+@pytest.mark.parametrize("scan_layers, bounds", [(True, (1.0, 1.02)), (False, (3.0, 5.0))])
+def test_stacked_train_step_does_not_grow_with_depth(scan_layers, bounds):
+  """Issue 15 part 1: with stacked layers the optimizer too updates one array per tensor kind."""
+  shallow, deep = (_train_step_program(n, scan_layers) for n in (4, 16))
+  low, high = bounds
+  assert low <= len(deep) / len(shallow) <= high, (len(shallow), len(deep))
+
+
 def test_batch_sharding_splits_batch_over_data():
   assert inner.batch_sharding(_mesh(2, 1)).spec == P("data", None)
 

@@ -99,19 +99,32 @@ def test_rope_attention_scores_depend_only_on_relative_position():
   assert float(jnp.linalg.norm(rotated)) == pytest.approx(float(jnp.linalg.norm(q_1x1x1xK)), 1e-5)
 
 
-def test_model_mesh_splits_vocab_heads_and_mlp(tensor_parallel_init):
-  _, params = tensor_parallel_init
+def _flat(cfg, params):
+  """Every flat (per-layer) tensor of native `params`, read through the layout."""
+  layout = model.param_layout(cfg)
+  return {name: layout.get(params, name) for name in model.param_shapes(cfg)}
+
+
+def _spec(array):
+  """The array's PartitionSpec with one entry per dimension (trailing Nones made explicit)."""
+  spec = tuple(array.sharding.spec)
+  return spec + (None,) * (array.ndim - len(spec))
+
+
+def test_model_mesh_splits_vocab_heads_and_mlp(cfg, tensor_parallel_init):
+  _, native = tensor_parallel_init
+  params = _flat(cfg, native)
   embedding = params[model.EMBEDDING_NAME]
   assert embedding.sharding.spec == P("model", None)
   # Vocab 256 over 2 model shards: each device holds 128 rows of the embedding.
   assert {s.data.shape for s in embedding.addressable_shards} == {(128, 32)}
-  assert params["layers/0/attn/q_proj/kernel"].sharding.spec == P(None, "model", None)
-  assert params["layers/0/attn/o_proj/kernel"].sharding.spec == P("model", None, None)
-  assert params["layers/1/mlp/gate_proj/kernel"].sharding.spec == P(None, "model")
-  assert params["layers/1/mlp/down_proj/kernel"].sharding.spec == P("model", None)
+  assert _spec(params["layers/0/attn/q_proj/kernel"]) == (None, "model", None)
+  assert _spec(params["layers/0/attn/o_proj/kernel"]) == ("model", None, None)
+  assert _spec(params["layers/1/mlp/gate_proj/kernel"]) == (None, "model")
+  assert _spec(params["layers/1/mlp/down_proj/kernel"]) == ("model", None)
   assert params["final_norm/scale"].sharding.is_fully_replicated
-  shardings = model.param_shardings(TINY, _mesh(1, 2))
-  assert all(params[name].sharding == s for name, s in shardings.items())
+  shardings = model.param_shardings(cfg, _mesh(1, 2))
+  assert all(native[name].sharding == s for name, s in shardings.items())
 
 
 def test_data_mesh_replicates_every_parameter(replicated_init):
@@ -139,8 +152,9 @@ def test_tensor_parallel_logits_match_replicated(replicated_init, tensor_paralle
   )
 
 
-def test_flat_names_are_module_paths(replicated_init):
-  _, params = replicated_init
+def test_flat_names_are_module_paths(cfg, replicated_init):
+  _, native = replicated_init
+  params = _flat(cfg, native)
   assert model.EMBEDDING_NAME in params
   assert "final_norm/scale" in params
   assert any(name.startswith("layers/0/") for name in params)
@@ -152,7 +166,13 @@ def test_flat_names_are_module_paths(replicated_init):
   shapes = model.param_shapes(TINY)
   assert shapes.keys() == params.keys()
   assert all(shapes[n].shape == params[n].shape for n in params)
-  assert model.param_shardings(TINY, _mesh(2, 1)).keys() == params.keys()
+  # Native names: one per layer tensor, or one stacked tensor per kind ("layers/attn/...").
+  assert model.param_shardings(cfg, _mesh(2, 1)).keys() == native.keys()
+  assert {n: v.shape for n, v in model.native_shapes(cfg).items()} == {
+      n: v.shape for n, v in native.items()}
+  if cfg.scan_layers:
+    assert native["layers/attn/q_proj/kernel"].shape == (cfg.num_layers,) + shapes[
+        "layers/0/attn/q_proj/kernel"].shape
 
 
 def _expected_count(v, d, layers, heads, head_dim, mlp):
@@ -259,42 +279,59 @@ def test_scanned_blocks_give_the_unrolled_logits_and_gradients():
   # Three layers on a data x model mesh: the scan runs more than twice and its weights are split.
   three = dataclasses.replace(TINY, num_layers=3)
   mesh = _mesh(2, 2)
+  stacked = dataclasses.replace(three, scan_layers=True)
+  layout = model.param_layout(stacked)
   unrolled_graphdef, params = model.init_params(three, mesh, seed=0)
-  scanned_graphdef, scanned_params = model.init_params(
-      dataclasses.replace(three, scan_layers=True), mesh, seed=0)
-  for name in params:  # The initial values do not depend on how the blocks run.
-    np.testing.assert_array_equal(params[name], scanned_params[name], err_msg=name)
+  scanned_graphdef, scanned_params = model.init_params(stacked, mesh, seed=0)
+  scanned_flat = layout.to_flat(jax.device_get(scanned_params))
+  for name in params:  # The initial values do not depend on the layout.
+    np.testing.assert_array_equal(params[name], scanned_flat[name], err_msg=name)
   tokens_BxL = _tokens(4, 13)
   np.testing.assert_allclose(
-      _logits(scanned_graphdef, params, tokens_BxL),
+      _logits(scanned_graphdef, scanned_params, tokens_BxL),
       _logits(unrolled_graphdef, params, tokens_BxL), rtol=1e-5, atol=1e-5)
   grad_fn = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)
-  scanned_loss, scanned_grads = grad_fn(scanned_graphdef, params, tokens_BxL)
+  scanned_loss, scanned_grads = grad_fn(scanned_graphdef, scanned_params, tokens_BxL)
   unrolled_loss, unrolled_grads = grad_fn(unrolled_graphdef, params, tokens_BxL)
   assert float(scanned_loss) == pytest.approx(float(unrolled_loss), rel=1e-6)
-  assert scanned_grads.keys() == params.keys()
+  assert scanned_grads.keys() == scanned_params.keys()
+  for name, grad in scanned_grads.items():
+    # Gradients come out split like their (stacked) parameters: the scan gathered no weight.
+    assert grad.sharding.is_equivalent_to(scanned_params[name].sharding, grad.ndim), name
+  scanned_grads = layout.to_flat(jax.device_get(scanned_grads))
   for name in params:
-    # Gradients come out split like their parameters: the stack gathered no weight.
-    assert scanned_grads[name].sharding.is_equivalent_to(params[name].sharding,
-                                                         params[name].ndim), name
     np.testing.assert_allclose(scanned_grads[name], unrolled_grads[name], rtol=1e-5, atol=1e-5,
                                err_msg=name)
+
+
+def test_layout_reads_and_writes_one_layer_of_a_stacked_tensor():
+  stacked = dataclasses.replace(TINY, num_layers=3, scan_layers=True)
+  layout = model.param_layout(stacked)
+  _, params = model.init_params(stacked, _mesh(1, 2), seed=0)
+  name = "layers/1/mlp/gate_proj/kernel"
+  value = layout.get(params, name)
+  assert value.shape == model.param_shapes(stacked)[name].shape
+  assert value.sharding.spec == P(None, "model")
+  written = layout.set(params, {name: value + 1.0})
+  before, after = (layout.to_flat(jax.device_get(p)) for p in (params, written))
+  for flat in before:
+    expected = before[flat] + 1.0 if flat == name else before[flat]
+    np.testing.assert_array_equal(after[flat], expected, err_msg=flat)
+  np.testing.assert_array_equal(layout.to_native(before)["layers/mlp/gate_proj/kernel"],
+                                jax.device_get(params["layers/mlp/gate_proj/kernel"]))
 
 
 def _forward_and_gradient_program(cfg):
   """StableHLO text of the loss and its gradient w.r.t. every flat parameter: a deterministic
   stand-in for its compile time."""
-  # The graphdef without allocating parameters. pylint: disable-next=protected-access
-  graphdef = model._abstract(cfg)[0]
   tokens = jax.ShapeDtypeStruct((2, cfg.max_seq_len + 1), jnp.int32)
-  grad_fn = jax.jit(jax.value_and_grad(functools.partial(_loss, graphdef), argnums=0))
-  return grad_fn.lower(model.param_shapes(cfg), tokens).as_text()
+  grad_fn = jax.jit(jax.value_and_grad(functools.partial(_loss, model.graph(cfg)), argnums=0))
+  return grad_fn.lower(model.native_shapes(cfg), tokens).as_text()
 
 
-@pytest.mark.parametrize("scan_layers, bounds", [(True, (1.0, 1.5)), (False, (3.0, 5.0))])
-def test_scanned_gradient_program_hardly_grows_with_depth(scan_layers, bounds):
-  # Scanned, what is left grows by one stack operand and one gradient slice per layer tensor (the
-  # flat interface), ~4 KB of text per layer against ~35 KB unrolled.
+@pytest.mark.parametrize("scan_layers, bounds", [(True, (1.0, 1.02)), (False, (3.0, 5.0))])
+def test_scanned_gradient_program_does_not_grow_with_depth(scan_layers, bounds):
+  # Stacked, only the layer count in the shapes changes; unrolled, ~35 KB of text per layer.
   shallow, deep = (_forward_and_gradient_program(
       dataclasses.replace(TINY, num_layers=n, scan_layers=scan_layers)) for n in (4, 16))
   low, high = bounds

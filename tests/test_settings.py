@@ -48,8 +48,25 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("learner_step_delays_s", (0.1,), "config.learner_step_delays_s"),
     ("num_steps", 0, "config.num_steps=0"),
     ("devices.platform", "ipu", "config.devices.platform='ipu'"),
+    ("stall_timeout_s", 0.0, "config.stall_timeout_s=0.0"),
+    ("syncer.num_workers", 0, "config.syncer.num_workers=0"),
+    ("model.attention", "flash", "config.model.attention='flash'"),
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
+  _assert_fails(field, value, needle)
+
+
+def test_cudnn_attention_needs_gpu_devices():
+  config = tiny_cpu.get_config()
+  config.model.dtype = "bfloat16"
+  config.model.attention = "cudnn"
+  with pytest.raises(ValueError, match=r"config.model.attention='cudnn'.*platform='gpu'"):
+    settings.validate(config)
+  config.devices.platform = "gpu"
+  settings.validate(config)
+
+
+def _assert_fails(field, value, needle):
   with pytest.raises(ValueError, match=None) as err:
     settings.validate(_config(**{field: value}))
   assert needle in str(err.value), str(err.value)
