@@ -21,7 +21,8 @@ P = 1  # the fragment the tests sync
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-  run = train.build(tiny_config(tmp_path_factory.mktemp("learner")))
+  run = train.build(tiny_config(tmp_path_factory.mktemp("learner"), num_learners=1,
+                                learner_mesh_shapes=((2, 1),)))
   yield run
   run.metrics.close()
 
