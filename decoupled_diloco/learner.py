@@ -20,6 +20,11 @@ it merged, tells it exactly which of its steps are now in Theta_p:
   merges them.
 
 `snapshot()` captures everything needed to start it again from the same point.
+
+Memory beyond a data-parallel learner: the host copies of its anchors (4 bytes per parameter), and
+on its devices the fragments of the offers the syncer took and has not merged yet (the last one per
+fragment; in the steady state the tau-or-so fragments in flight, at worst one copy of the
+parameters). Publishing costs nothing: it references the state the next step reads anyway.
 """
 
 from __future__ import annotations

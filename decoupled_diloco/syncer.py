@@ -101,6 +101,7 @@ class SyncerStats:
   late_offers: int = 0  # taken, but landed after their round closed: weight 0
   stale_answers: int = 0  # a learner had not yet applied a merge of its earlier steps: asked again
   rounds_without_quorum: int = 0  # regular rounds that closed with fewer than K fresh offers
+  empty_rounds: int = 0  # rounds in which no live learner had a step to give (nothing to merge)
   due_while_in_flight: int = 0  # a fragment fell due again before its last sync finished
   peak_held_bytes: int = 0  # most the syncer held at once (see the module docstring)
 
@@ -393,7 +394,9 @@ class Syncer:
     del self._rounds[p]
     self.stats.late_offers += len(round_.copying)  # taken, still copying: weight 0
     if not offers:
-      if not round_.final:
+      if not any(o.fresh for o in round_.offers.values()) and not (self._live & self._training):
+        self.stats.empty_rounds += 1  # nobody had a step left: no quorum was missed
+      elif not round_.final:
         self.stats.rounds_without_quorum += 1
       self._open_owed(p)
       return

@@ -315,6 +315,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "late_offers": stats.late_offers,
       "stale_answers": stats.stale_answers,
       "rounds_without_quorum": stats.rounds_without_quorum,
+      "empty_rounds": stats.empty_rounds,
       "due_while_in_flight": stats.due_while_in_flight,
       # From the merge tape, not assumed: steps no merge took in, and steps merged twice.
       "unmerged_steps_at_end": tape_lib.unmerged_steps_at_end(tape, final_steps, num_fragments)
