@@ -32,20 +32,18 @@ class Evaluator:
     self._shardings = model_lib.param_shardings(model_cfg, mesh)
     self._batches = list(batches)
     rows = self._batches[0]["inputs"].shape[0]
-    self._step = inner.make_eval_step(graphdef, mesh, self._shardings,
-                                      batch_sharded=rows % mesh.shape["data"] == 0)
+    self._eval = inner.make_eval_over_batches(graphdef, mesh, self._shardings,
+                                              batch_sharded=rows % mesh.shape["data"] == 0)
+    # All batches as one [N, B, L] array: one program evaluates them all.
+    self._stacked = {k: np.stack([b[k] for b in self._batches]) for k in self._batches[0]}
 
   def compile(self) -> None:
-    """Compiles the eval step ahead of time, so the build reports what it costs."""
+    """Compiles the evaluation ahead of time, so the build reports what it costs."""
     params = model_lib.native_shapes(self._model_cfg)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._batches[0].items()}
-    self._step = self._step.lower(params, batch).compile()
+    batches = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._stacked.items()}
+    self._eval = self._eval.lower(params, batches).compile()
 
   def __call__(self, params: Mapping[str, np.ndarray | jax.Array]) -> float:
     placed = {n: jax.device_put(v, self._shardings[n]) for n, v in params.items()}
-    total_nats, total_tokens = 0.0, 0
-    for batch in self._batches:
-      nats, tokens = self._step(placed, batch)
-      total_nats += float(nats)
-      total_tokens += int(tokens)
-    return total_nats / total_tokens
+    nats, tokens = self._eval(placed, self._stacked)
+    return float(nats) / int(tokens)

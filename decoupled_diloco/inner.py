@@ -196,3 +196,33 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
       in_shardings=(dict(param_shardings), batch_shardings),
       out_shardings=(replicated, replicated),
   )
+
+
+def make_eval_over_batches(graphdef: nnx.GraphDef, mesh: Mesh,
+                           param_shardings: dict[str, NamedSharding], *, batch_sharded: bool = True
+                           ) -> Callable[[dict[str, jax.Array], dict[str, Any]],
+                                         tuple[jax.Array, jax.Array]]:
+  """Jitted (params, batches [N, B, L]) -> (sum of nats, number of tokens) over all N batches.
+
+  One program for the whole evaluation: on devices that a learner keeps busy, it queues behind one
+  of the learner's steps instead of one per batch (8 eval batches on a training learner's CPU
+  devices took 21 s one by one, ~1 s as one program).
+  """
+
+  def eval_all(params: dict[str, jax.Array], batches: dict[str, jax.Array]
+               ) -> tuple[jax.Array, jax.Array]:
+    def body(total, batch):
+      logits_BxLxV = model.apply(graphdef, params, batch["inputs"])
+      nats_BxL = model.cross_entropy(logits_BxLxV, batch["targets"])
+      return total + jnp.sum(nats_BxL), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), batches)
+    return total, jnp.asarray(batches["targets"].size, jnp.int32)
+
+  replicated = _replicated(mesh)
+  stacked = NamedSharding(mesh, P(None, "data", None) if batch_sharded else P())
+  return jax.jit(
+      eval_all,
+      in_shardings=(dict(param_shardings), {"inputs": stacked, "targets": stacked}),
+      out_shardings=(replicated, replicated),
+  )

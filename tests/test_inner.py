@@ -194,3 +194,15 @@ def test_clipping_is_chained_only_when_grad_clip_norm_is_positive():
   # Plain AdamW state starts with ScaleByAdamState; the chain puts the clip state in front.
   assert plain[0].mu.keys() == {"w"}
   assert clipped[1][0].mu.keys() == {"w"}
+
+
+def test_evaluation_over_stacked_batches_sums_like_batch_by_batch():
+  graphdef, shardings, state, _ = _setup(2, 1)
+  mesh = _mesh(2, 1)
+  batches = [_batch(seed) for seed in range(3)]
+  one_by_one = inner.make_eval_step(graphdef, mesh, shardings)
+  nats = sum(float(one_by_one(state.params, b)[0]) for b in batches)
+  stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+  total, tokens = inner.make_eval_over_batches(graphdef, mesh, shardings)(state.params, stacked)
+  assert int(tokens) == 3 * 4 * 16
+  assert float(total) == pytest.approx(nats, rel=1e-5)
