@@ -236,6 +236,25 @@ class GlobalModel:
           f"(kept: {sorted(self._history[p])}); this is a bug in the syncer's history pruning"
       ) from None
 
+  def wire(self, p: int) -> tuple[int, dict[str, compression.Encoded]]:
+    """(version, Theta_p in the broadcast format): what a learner joining now must receive."""
+    with self._lock:
+      version, theta = self._versions[p], self._theta[p]
+    return version, compression.encode_tree(theta, self.options.broadcast_format,
+                                            self.options.block_size)
+
+  def received(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Theta as the learners received it (through the broadcast format) and its versions.
+
+    Each fragment is read with its version under the lock; fragments may be read a merge apart,
+    which a joining learner's `_Attach` makes good (the syncer sends it whatever is newer).
+    """
+    thetas, versions = [], np.zeros(len(self.fragments), np.int64)
+    for p in range(len(self.fragments)):
+      versions[p], wire = self.wire(p)
+      thetas.append(compression.decode_tree(wire))
+    return {name: value for theta in thetas for name, value in theta.items()}, versions
+
   def install(self, result: MergeResult, anchored: Iterable[int] = ()) -> int:
     """Makes a merge current; returns Theta_p's new version.
 

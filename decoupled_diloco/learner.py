@@ -30,11 +30,12 @@ parameters). Publishing costs nothing: it references the state the next step rea
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,14 @@ class LearnerSnapshot:
   anchor_versions: np.ndarray  # [P]
 
 
+class Counters(NamedTuple):
+  """Per fragment: steps and tokens no applied merge has taken in, and the Theta_p versions held."""
+
+  steps: np.ndarray
+  tokens: np.ndarray
+  anchor_versions: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerOptions:
   num_steps: int
@@ -103,8 +112,14 @@ class Learner:
       snapshot: LearnerSnapshot | None = None,
       step_hook: Callable[[int, int], None] | None = None,
       layout: model_lib.ParamLayout | None = None,
+      incarnation: int = 0,
   ):
     self.index = index
+    # 0 for the learner the run started; one more for each restart after a failure (spec §6).
+    self.incarnation = incarnation
+    # Shapes and shardings of the train state, not its arrays: a respawn places its state alike.
+    self._like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     self._train_step = train_step
     self._shardings = param_shardings  # of the native parameters
     # Fragments and merges name flat tensors (one per layer tensor); the layout finds them in the
@@ -143,6 +158,9 @@ class Learner:
     self.error: BaseException | None = None
     self.losses: list[float] = []
     self.step_times: list[float] = []
+    self.first_step_done_at: float | None = None  # time.monotonic() when its first step completed
+    self.steps_made = 0  # by this incarnation
+    self.discarded_fragment_tokens = 0  # tokens of the discarded fragment-steps
     # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
     # taken by any merge): the compute the paper's overwrite discards.
     self.discarded_fragment_steps = 0
@@ -196,6 +214,11 @@ class Learner:
     """The devices this learner trains on."""
     return sorted({d for s in self._shardings.values() for d in s.device_set}, key=lambda d: d.id)
 
+  def counters(self) -> Counters:
+    """Host-side counters (no device state): readable after a failure, from any thread."""
+    return Counters(self._counter_steps.copy(), self._counter_tokens.copy(),
+                    self._anchor_versions.copy())
+
   @property
   def published(self) -> messages.Publication:
     return self._published
@@ -208,6 +231,26 @@ class Learner:
     """The latest published parameters, one array per flat tensor."""
     params = self._published.params
     return {name: self._layout.get(params, name) for name in self._layout.where}
+
+  def respawn(self, snapshot: LearnerSnapshot) -> "Learner":
+    """The next incarnation of this learner after a failure: same index, mesh, compiled step and
+    data loader (whose position the host kept), its state from `snapshot`. Not started."""
+    if self.alive:
+      raise RuntimeError(f"learner {self.index}: respawn() needs the failed learner stopped")
+    return Learner(
+        self.index, train_step=self._train_step, state=self._like, param_shardings=self._shardings,
+        batches=self._batches, fragments=self._fragments, options=self._options,
+        syncer=self._syncer, metrics=self._metrics, snapshot=snapshot,
+        step_hook=self._step_hook, layout=self._layout, incarnation=self.incarnation + 1)
+
+  @property
+  def layout(self) -> model_lib.ParamLayout:
+    return self._layout
+
+  @property
+  def state_bytes(self) -> int:
+    """Bytes of the train state on the devices (parameters, optimizer state, step)."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(self._like))
 
   def snapshot(self) -> LearnerSnapshot:
     """Host copy of the whole state. Call only while the learner's thread is not running."""
@@ -246,7 +289,7 @@ class Learner:
         self._finished = True
         self._publish(self._state)
         if self._syncer is not None:
-          self._syncer.post(messages.TrainingDone(self.index, self.step))
+          self._syncer.post(messages.TrainingDone(self.index, self.step, self.incarnation))
       self.finished_training.set()
       while not self._release.is_set():
         # After the last step the learner still serves offers and takes merges (the final flush).
@@ -260,7 +303,7 @@ class Learner:
     finally:
       self.finished_training.set()
       if self._syncer is not None:
-        self._syncer.post(messages.LearnerExit(self.index, self.step, error))
+        self._syncer.post(messages.LearnerExit(self.index, self.step, error, self.incarnation))
 
   def _train(self) -> None:
     opts = self._options
@@ -283,6 +326,7 @@ class Learner:
       else:
         self._publish(current)
       self.step += 1
+      self.steps_made += 1
       self._counter_steps += 1
       self._counter_tokens += tokens
       in_flight = (self.step, tokens, step_metrics)
@@ -302,10 +346,12 @@ class Learner:
     step_time = now - last_done
     self.losses.append(loss)
     self.step_times.append(step_time)
+    if self.first_step_done_at is None:
+      self.first_step_done_at = time.monotonic()
     published = self._publish(state)
     if self._syncer is not None:
       self._syncer.post(messages.StepReport(self.index, step, step_time, tokens,
-                                            published.anchor_versions))
+                                            published.anchor_versions, self.incarnation))
     every = self._options.log_every
     if self._metrics is not None and (step % every == 0 or step == 1):
       tokens_per_s = tokens / float(np.mean(self.step_times[-every:]))
@@ -321,7 +367,7 @@ class Learner:
         step=self.step, params=dict(state.params), since=self._since.copy(),
         counter_steps=self._counter_steps.copy(), counter_tokens=self._counter_tokens.copy(),
         anchor_versions=self._anchor_versions.copy(), anchors=dict(self._anchors),
-        training=not self._finished)
+        training=not self._finished, opt_state=state.opt_state, state_step=state.step)
 
   def _publish(self, state: inner.TrainState) -> messages.Publication:
     self._published = self._publication(state)
@@ -337,7 +383,7 @@ class Learner:
         learner=self.index, fragment=p, step=published.step, since=int(published.since[p]),
         steps=int(published.counter_steps[p]), tokens=int(published.counter_tokens[p]),
         anchor_version=int(published.anchor_versions[p]), values=values,
-        anchor={name: published.anchors[name] for name in names})
+        anchor={name: published.anchors[name] for name in names}, incarnation=self.incarnation)
 
   def _serve(self, timeout: float) -> None:
     """Applies the merges that arrived (waiting up to `timeout` for one), then publishes."""
@@ -394,7 +440,9 @@ class Learner:
         self._since[p] = taken.step
     else:
       merged_steps = taken.steps if taken is not None else 0
+      merged_tokens = taken.tokens if taken is not None else 0
       self.discarded_fragment_steps += int(self._counter_steps[p]) - merged_steps
+      self.discarded_fragment_tokens += int(self._counter_tokens[p]) - merged_tokens
       self._counter_steps[p] = 0
       self._counter_tokens[p] = 0
       self._since[p] = self.step

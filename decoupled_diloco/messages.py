@@ -11,6 +11,10 @@ Progress accounting: every offer covers the learner steps (since, step] of one f
 takes an offer makes those steps part of Theta_p; the syncer records, per learner and fragment, the
 last step merged (`merged_through`) and takes a later offer only if it starts at or after that step,
 so no step is ever merged twice, whatever the order in which broadcasts and pulls meet.
+
+Incarnations: a learner that failed and was restarted (spec §6) keeps its index and counts up its
+`incarnation`. Its step numbers start again from the peer state it rejoined from, so the syncer
+keys its records by incarnation and drops whatever an earlier incarnation still sends or offered.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class StepReport:
   # Per fragment, the version of the Theta_p the learner holds (spec §3's per-fragment metadata):
   # tells the syncer which versions a learner may still be anchored at.
   anchor_versions: np.ndarray | None = None
+  incarnation: int = 0  # which start of learner `learner` sent it (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,7 @@ class TrainingDone:
 
   learner: int
   step: int
+  incarnation: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,7 @@ class LearnerExit:
   learner: int
   step: int
   error: str | None = None
+  incarnation: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,10 @@ class Publication:
   anchor_versions: np.ndarray  # [P] version of the Theta_p the learner last received
   anchors: dict[str, np.ndarray]  # host copies of those Theta_p
   training: bool  # False once the learner made its last step
+  # The rest of the train state at `step` (device arrays, never written): a rejoining learner
+  # starts from a healthy peer's AdamW moments and step count (spec §6).
+  opt_state: Any = None
+  state_step: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +102,7 @@ class Offer:
   anchor_version: int
   values: dict[str, Any]
   anchor: dict[str, np.ndarray]
+  incarnation: int = 0
 
   @property
   def fresh(self) -> bool:

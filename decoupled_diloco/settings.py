@@ -22,6 +22,8 @@ from decoupled_diloco import merge
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import outer
 from decoupled_diloco import schedule as schedule_lib
+from decoupled_diloco.runtime import chaos
+from decoupled_diloco.runtime import injector
 
 MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -49,6 +51,23 @@ class SyncSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChaosSettings:
+  """Faults to inject (`runtime/chaos.py` explains the schedule's grammar)."""
+
+  schedule: str
+  mtbf_s: float  # random crashes: mean time between failures per learner; 0 = off
+  repair_s: float  # their mean repair time
+  repair_shape: float  # Weibull shape of the repair times
+  seed: int
+  faults: tuple[chaos.Fault, ...]  # the schedule, parsed
+  random_crashes: chaos.RandomCrashes
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.faults) or self.random_crashes.enabled
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSettings:
   """What a run does, derived from a validated config."""
 
@@ -63,6 +82,8 @@ class RunSettings:
   model: model_lib.ModelConfig
   data_path: str
   stall_timeout_s: float  # fail when no learner steps (or the flush does not end) for this long
+  chaos: ChaosSettings
+  max_restarts: int  # per learner; a learner that fails once more stays down
 
   @property
   def learner_devices(self) -> int:
@@ -153,6 +174,28 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
                       ema_decay, fragmentation)
 
 
+def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
+  schedule = _get(config, "chaos.schedule")
+  faults = chaos.parse_schedule(schedule, num_learners)
+  random_crashes = chaos.RandomCrashes(
+      mtbf_s=_check_float(config, "chaos.mtbf_s", 0.0),
+      repair_s=_check_float(config, "chaos.repair_s", 0.0),
+      repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
+      seed=_check_int(config, "chaos.seed", 0))
+  unsupported = sorted({f.kind for f in faults} - set(injector.INJECTED_KINDS))
+  if unsupported:
+    _fail("chaos.schedule", schedule,
+          f"{', '.join(unsupported)} faults are not injected by this runtime yet (issue #9); it "
+          f"injects {', '.join(injector.INJECTED_KINDS)}")
+  if (faults or random_crashes.enabled) and mode != "decoupled":
+    _fail("chaos.schedule" if faults else "chaos.mtbf_s", schedule if faults else
+          random_crashes.mtbf_s,
+          f"faults are injected in config.mode='decoupled' only for now (mode={mode!r}): the "
+          "dp and lock-step answers need whole-job checkpoints (issue #9)")
+  return ChaosSettings(schedule, random_crashes.mtbf_s, random_crashes.repair_s,
+                       random_crashes.repair_shape, random_crashes.seed, faults, random_crashes)
+
+
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
   """Checks every field of `config`; returns the effective settings or raises ValueError."""
   mode = _check_choice(config, "mode", MODES)
@@ -179,6 +222,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   syncer_workers = _check_int(config, "syncer.num_workers", 1)
 
   sync = _resolve_sync(config, mode, num_learners)
+  chaos_settings = _resolve_chaos(config, mode, num_learners)
+  max_restarts = _check_int(config, "max_restarts", 0)
   _check_choice(config, "merge.rule", merge.MERGE_RULES)
   _check_choice(config, "merge.weighting", merge.WEIGHTINGS)
   _check_choice(config, "merge.anchor", ANCHORS)
@@ -246,4 +291,6 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       model=model_cfg,
       data_path=path,
       stall_timeout_s=stall_timeout_s,
+      chaos=chaos_settings,
+      max_restarts=max_restarts,
   )

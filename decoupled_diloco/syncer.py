@@ -80,6 +80,8 @@ class _Attach:
   learner: int
   link: LearnerLink
   step: int
+  incarnation: int
+  anchor_versions: np.ndarray | None  # the Theta_p versions it starts from; None = all at 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,10 @@ class SyncerStats:
   empty_rounds: int = 0  # rounds in which no live learner had a step to give (nothing to merge)
   due_while_in_flight: int = 0  # a fragment fell due again before its last sync finished
   peak_held_bytes: int = 0  # most the syncer held at once (see the module docstring)
+  # Offers dropped, never merged, by reason: an earlier incarnation of a restarted learner.
+  rejected_offers: dict[str, int] = dataclasses.field(
+      default_factory=lambda: {"stale_incarnation": 0})
+  stale_messages: int = 0  # reports of an earlier incarnation, ignored
 
 
 class Syncer:
@@ -130,6 +136,7 @@ class Syncer:
         options=options, num_learners=num_learners)
     self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
+    self._incarnations: dict[int, int] = {}
     self._live: set[int] = set()
     self._training: set[int] = set()
     self._learner_steps: dict[int, int] = {}
@@ -158,11 +165,14 @@ class Syncer:
     """Compiles the merge programs ahead of time, so the first syncs compile nothing."""
     self.compile_seconds = self.model.compile()
 
-  def attach(self, learner: int, link: LearnerLink, step: int = 0) -> None:
-    """A learner joins (at start-up, or later at `step`); it takes part from the next round on."""
-    with self._lock:
-      self._live.add(learner)
-    self._inbox.put(_Attach(learner, link, step))
+  def attach(self, learner: int, link: LearnerLink, step: int = 0, incarnation: int = 0,
+             anchor_versions: np.ndarray | None = None) -> None:
+    """A learner joins (at start-up, later at `step`, or restarted as a new `incarnation`).
+
+    It takes part from the next round on. `anchor_versions` are the Theta_p versions its state
+    starts from: the syncer sends it every fragment merged since, so it misses no broadcast.
+    """
+    self._inbox.put(_Attach(learner, link, step, incarnation, anchor_versions))
 
   def start(self) -> None:
     self._thread.start()
@@ -252,6 +262,8 @@ class Syncer:
         return
 
   def _handle(self, message: Any) -> None:
+    if self._from_earlier_incarnation(message):
+      return
     if isinstance(message, messages.StepReport):
       self._learner_steps[message.learner] = message.step
       self._grace = self._grace.observe_step(message.learner, message.step_time_s)
@@ -273,15 +285,55 @@ class Syncer:
       self._training.discard(message.learner)
       self._advance_clock()
       if message.error:
+        # Its state is gone: what it offered and no merge has taken yet is never merged.
+        self._drop_offers_of(message.learner)
         logging.warning("syncer: learner %d left at step %d (%s); merging without it",
                         message.learner, message.step, message.error)
     elif isinstance(message, _Attach):
-      self._learners[message.learner] = message.link
-      self._learner_steps[message.learner] = message.step
-      self._advance_clock()
-      self._training.add(message.learner)
+      self._attach(message)
     else:
       raise TypeError(f"syncer: unexpected message {message!r}")
+
+  def _from_earlier_incarnation(self, message: Any) -> bool:
+    """Whether a learner's message comes from an incarnation that has been replaced: ignored."""
+    if isinstance(message, (_Attach, _MergeDone)) or not hasattr(message, "incarnation"):
+      return False
+    if message.incarnation >= self._incarnations.get(message.learner, 0):
+      return False
+    if isinstance(message, messages.Offer):
+      self.stats.rejected_offers["stale_incarnation"] += 1
+    else:
+      self.stats.stale_messages += 1
+    return True
+
+  def _attach(self, message: _Attach) -> None:
+    m = message.learner
+    restarted = m in self._incarnations
+    with self._lock:
+      self._live.add(m)  # here, not in attach(): no round may ask its link before it is known
+    self._incarnations[m] = message.incarnation
+    self._learners[m] = message.link
+    self._learner_steps[m] = message.step
+    if restarted:
+      # Its steps count again from `step` (a peer's): records of the earlier incarnation go.
+      self._drop_offers_of(m)
+      for p in range(len(self.model.fragments)):
+        self._merged_through[(m, p)] = message.step
+    if message.anchor_versions is not None:
+      self._reported_anchors[m] = np.asarray(message.anchor_versions)
+      for p, held in enumerate(message.anchor_versions):
+        version, wire = self.model.wire(p)
+        if version > held:
+          message.link.deliver(messages.Broadcast(p, version, wire))
+    self._advance_clock()
+    self._training.add(m)
+
+  def _drop_offers_of(self, m: int) -> None:
+    for round_ in self._rounds.values():
+      dropped = round_.offers.pop(m, None) or round_.copying.pop(m, None)
+      if dropped is not None:
+        self.stats.rejected_offers["stale_incarnation"] += 1
+      round_.answered.discard(m)
 
   def _advance_clock(self) -> None:
     """Fragments fall due on the clock of the fastest learner still training (spec §3).
@@ -437,10 +489,13 @@ class Syncer:
     with self._lock:
       live = sorted(self._live)
     version = self.model.install(result, self._anchored_versions(p, live))
-    for offer in offers:
+    # Records describe the current incarnation only: a learner restarted while this merge ran
+    # counts its steps again from its new start.
+    current = [o for o in offers if o.incarnation == self._incarnations.get(o.learner, 0)]
+    for offer in current:
       key = (offer.learner, p)
       self._merged_through[key] = max(self._merged_through.get(key, 0), offer.step)
-    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in offers})
+    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current})
     deliver_at = time.monotonic()
     for m in live:
       self._learners[m].deliver(broadcast)
@@ -462,6 +517,7 @@ class Syncer:
     decision = {
         "fragment": p, "version": version, "clock": round_.clock, "final": round_.final,
         "learners": [o.learner for o in offers],
+        "incarnations": [o.incarnation for o in offers],
         "weights": [float(result.weights[o.learner]) for o in offers],
         "tokens": [o.tokens for o in offers], "steps": [o.steps for o in offers],
         "learner_steps": [o.step for o in offers],

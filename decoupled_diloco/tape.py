@@ -8,6 +8,9 @@ Each merge record names, per learner that took part, the learner steps its offer
   (`unmerged_steps_at_end`).
 
 These are measured, not assumed: `summary.json` reports both from the tape the syncer wrote.
+
+A restarted learner counts its steps again from where it rejoined: records name each offer's
+incarnation (absent: 0), and steps are compared within one incarnation only.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
-def _offers(record: Mapping[str, Any]) -> Iterable[tuple[int, int, int]]:
-  """(learner, since, step) of each offer a merge took in."""
-  return zip(record["learners"], record["since_steps"], record["learner_steps"])
+def _offers(record: Mapping[str, Any]) -> Iterable[tuple[tuple[int, int], int, int]]:
+  """((learner, incarnation), since, step) of each offer a merge took in."""
+  incarnations = record.get("incarnations", [0] * len(record["learners"]))
+  return zip(zip(record["learners"], incarnations), record["since_steps"],
+             record["learner_steps"])
 
 
 def double_merged_offers(tape: Sequence[Mapping[str, Any]]) -> int:
   """Offers that carried steps an earlier merge of the same fragment had already taken in.
 
-  Walks the tape in merge order and keeps, per (learner, fragment), the last learner step merged;
-  an offer whose steps (since, step] start before it repeats merged progress.
+  Walks the tape in merge order and keeps, per (learner, incarnation, fragment), the last learner
+  step merged; an offer whose steps (since, step] start before it repeats merged progress.
   """
   merged_through: dict[tuple[int, int], int] = {}
   doubles = 0
@@ -40,17 +45,40 @@ def double_merged_offers(tape: Sequence[Mapping[str, Any]]) -> int:
 
 
 def unmerged_steps_at_end(tape: Sequence[Mapping[str, Any]], final_steps: Sequence[int],
-                          num_fragments: int) -> list[int]:
+                          num_fragments: int, incarnations: Sequence[int] | None = None,
+                          start_steps: Sequence[int] | None = None) -> list[int]:
   """Per learner, its steps that never reached Theta: max over fragments of final_step - last
   merged step of that learner in that fragment (0 when every fragment took its last step).
 
-  Steps that an overwrite on receive discarded by design (the paper's alpha = 0) are not counted:
-  they were replaced, not lost.
+  Only the learner's last incarnation counts (`incarnations[m]`, which started at
+  `start_steps[m]`): what a failed one lost is reported with the failure. Steps that an overwrite
+  on receive discarded by design (the paper's alpha = 0) are not counted: they were replaced, not
+  lost.
   """
-  last: dict[tuple[int, int], int] = {}
+  incarnations = incarnations or [0] * len(final_steps)
+  start_steps = start_steps or [0] * len(final_steps)
+  last: dict[tuple[tuple[int, int], int], int] = {}
   for record in tape:
-    for learner, _, step in _offers(record):
-      key = (learner, record["fragment"])
-      last[key] = max(last.get(key, 0), step)
-  return [max((final - last.get((m, p), 0) for p in range(num_fragments)), default=0)
-          for m, final in enumerate(final_steps)]
+    for key, _, step in _offers(record):
+      last[key, record["fragment"]] = max(last.get((key, record["fragment"]), 0), step)
+  return [max((final - max(start, last.get(((m, inc), p), 0)) for p in range(num_fragments)),
+              default=0)
+          for m, (final, inc, start) in enumerate(zip(final_steps, incarnations, start_steps))]
+
+
+def merged_after_failure(tape: Sequence[Mapping[str, Any]], learner: int, incarnation: int,
+                         anchor_versions: Sequence[int]) -> int:
+  """Tokens of a failed incarnation's offers that merges took in after it stopped applying them.
+
+  At its failure a learner's counters hold every token no applied merge has taken in, including
+  those of offers a merge took in whose broadcast (version > its anchor version of the fragment)
+  it never applied. Those tokens reached Theta; the rest of its counters were lost with it.
+  """
+  tokens = 0
+  for record in tape:
+    if record["version"] <= anchor_versions[record["fragment"]]:
+      continue
+    for key, offered in zip(_offers(record), record["tokens"]):
+      if key[0] == (learner, incarnation):
+        tokens += offered
+  return tokens

@@ -34,6 +34,8 @@ from decoupled_diloco import outer
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco import syncer as syncer_lib
 from decoupled_diloco import tape as tape_lib
+from decoupled_diloco.runtime import injector as injector_lib
+from decoupled_diloco.runtime import supervisor as supervisor_lib
 
 
 @dataclasses.dataclass
@@ -51,6 +53,8 @@ class Run:
   build_seconds: float
   # Seconds of the build spent compiling (and, for init, running) each kind of program.
   compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  injector: injector_lib.FaultInjector | None = None  # config.chaos
+  supervisor: supervisor_lib.Supervisor | None = None  # restarts failed learners
 
 
 def build(config: ml_collections.ConfigDict, *,
@@ -85,6 +89,12 @@ def build(config: ml_collections.ConfigDict, *,
       log_every=config.log_every,
   )
   layout = model_lib.param_layout(model_cfg)
+  injector = None
+  if settings.chaos.enabled:
+    injector = injector_lib.FaultInjector(
+        settings.chaos.faults, settings.chaos.random_crashes, settings.num_learners,
+        on_fault=lambda record: metrics.write("fault", record))
+    step_hook = _chain_hooks(step_hook, injector.step_hook)
   built, graphdef, initial = [], None, None
   compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
                      "syncer_compile_s": 0.0}
@@ -140,8 +150,25 @@ def build(config: ml_collections.ConfigDict, *,
   started = time.perf_counter()
   evaluator.compile()
   compile_seconds["eval_compile_s"] = time.perf_counter() - started
+  supervisor = None
+  if syncer is not None and not sync.lock_step:
+    supervisor = supervisor_lib.Supervisor(
+        learners, syncer, init_opt_state=jax.jit(tx.init),
+        repaired_at=injector.repaired_at if injector is not None else lambda _: 0.0,
+        max_restarts=settings.max_restarts, metrics=metrics)
   return Run(config, settings, learners, syncer, evaluator, metrics, fragments,
-             model_lib.num_params(initial), time.perf_counter() - start, compile_seconds)
+             model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
+             injector, supervisor)
+
+
+def _chain_hooks(*hooks):
+  hooks = [h for h in hooks if h is not None]
+
+  def hook(learner: int, step: int) -> None:
+    for h in hooks:
+      h(learner, step)
+
+  return hook
 
 
 def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
@@ -170,9 +197,18 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   try:
     if syncer is not None:
       syncer.start()
+    started = time.monotonic()  # the origin of the fault and failure records' seconds
+    if run.injector is not None:
+      run.injector.start(started)
+    if run.supervisor is not None:
+      run.supervisor.start(started)
     for learner in learners:
       learner.start()
     _train_until_done(run, evals, progress)
+    if run.injector is not None:
+      run.injector.stop()
+    if run.supervisor is not None:
+      run.supervisor.poll()  # records the first step of a learner that rejoined at the very end
     train_seconds = time.perf_counter() - start
     if syncer is not None:
       # Merge what every learner did since its last sync, so the global model holds all the work.
@@ -210,12 +246,18 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> 
   stall_timeout = run.settings.stall_timeout_s
   next_log, next_eval = config.log_every, config.eval_every or None
   last_steps, last_change = -1, time.monotonic()
-  while not all(l.finished_training.is_set() for l in learners):
+  supervisor = run.supervisor
+  while not all(l.finished_training.is_set() for l in learners) or (
+      supervisor is not None and supervisor.pending):
     time.sleep(0.05)
     _check_syncer(syncer)
-    steps = sum(l.step for l in learners)
+    if supervisor is not None and supervisor.poll():
+      last_change = time.monotonic()
+    steps = sum(l.steps_made for l in learners)
     if steps != last_steps:
       last_steps, last_change = steps, time.monotonic()
+    elif supervisor is not None and supervisor.pending and not any(l.alive for l in learners):
+      last_change = time.monotonic()  # every learner is down, waiting for a repair: no stall
     elif time.monotonic() - last_change > stall_timeout:
       raise RuntimeError(
           f"no learner made a step for {stall_timeout} s (config.stall_timeout_s); learner "
@@ -236,6 +278,8 @@ def _check_syncer(syncer: syncer_lib.Syncer | None) -> None:
 
 def _shut_down(run: Run) -> None:
   """Stops every thread of a failed or interrupted run and closes its files."""
+  if run.injector is not None:
+    run.injector.stop()
   for learner in run.learners:
     learner.stop()
   if run.syncer is not None:
@@ -288,12 +332,17 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
   tape = syncer.tape if syncer is not None else []
   final_steps = [l.step for l in learners]
   num_fragments = max(len(run.fragments), 1)
+  supervisor = run.supervisor
+  retired = supervisor.retired if supervisor is not None else []
+  incarnations = learners + retired  # every learner that ever trained
+  steps_made = [sum(l.steps_made for l in incarnations if l.index == m)
+                for m in range(len(learners))]
   summary = {
       "mode": run.settings.mode,
       "num_learners": run.settings.num_learners,
       "num_params": run.num_params,
       "num_fragments": len(run.fragments),
-      "tokens_trained": int(sum(final_steps) * tokens_per_step),
+      "tokens_trained": int(sum(steps_made) * tokens_per_step),
       "final_eval_loss": evals[-1]["eval_loss"],
       "eval_history": evals,
       "eval_seconds": sum(e["seconds"] for e in evals),
@@ -318,20 +367,62 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "empty_rounds": stats.empty_rounds,
       "due_while_in_flight": stats.due_while_in_flight,
       # From the merge tape, not assumed: steps no merge took in, and steps merged twice.
-      "unmerged_steps_at_end": tape_lib.unmerged_steps_at_end(tape, final_steps, num_fragments)
+      "unmerged_steps_at_end": tape_lib.unmerged_steps_at_end(
+          tape, final_steps, num_fragments, [l.incarnation for l in learners],
+          supervisor.start_steps if supervisor is not None else None)
                                if syncer is not None else [0] * len(learners),
       "double_merged_offers": tape_lib.double_merged_offers(tape),
       # Share of each learner's fragment-steps that the paper's overwrite on receive discarded.
-      "discarded_progress": [l.discarded_fragment_steps / max(l.step * num_fragments, 1)
-                             for l in learners],
+      "discarded_progress": [
+          sum(l.discarded_fragment_steps for l in incarnations if l.index == m)
+          / max(steps_made[m] * num_fragments, 1) for m in range(len(learners))],
       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       "device_peak_bytes": _device_peak_bytes(run),
   }
   if syncer is not None:
+    summary.update(_fault_summary(run, tape, incarnations, steps_made, tokens_per_step))
     summary["syncer_held_bytes"] = syncer.held_bytes()
     summary["syncer_peak_held_bytes"] = stats.peak_held_bytes
     summary["syncer_steady_state_bytes"] = syncer.steady_state_bytes()
   return summary
+
+
+def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) -> dict[str, Any]:
+  """Faults, restarts and where every token went (spec §6)."""
+  supervisor, stats = run.supervisor, run.syncer.stats
+  failures = supervisor.summary_records() if supervisor is not None else []
+  lost = 0
+  for failure in failures:
+    failure["lost_fragment_tokens"] = sum(failure.pop("counter_tokens")) - (
+        tape_lib.merged_after_failure(tape, failure["learner"], failure["incarnation"],
+                                      failure.pop("anchor_versions")))
+    lost += failure["lost_fragment_tokens"]
+  faults = [dict(f) for f in run.injector.records] if run.injector is not None else []
+  for fault in faults:
+    if fault["fault"] == "crash":
+      healed = [r for r in failures if r["learner"] == fault["learner"]
+                and r["step"] == fault["step"]]
+      fault.update({k: v for k, v in (healed[0] if healed else {}).items()
+                    if k not in ("learner", "step", "error")})
+  num_fragments = max(len(run.fragments), 1)
+  # Every token a learner trained on reaches each fragment of Theta through a merge, or is
+  # discarded by an overwrite on receive, lost with a failed learner, or still unmerged at the end:
+  # made = merged + discarded + lost + unmerged, per fragment, summed (tests check the equality).
+  accounting = {
+      "made": int(sum(steps_made) * tokens_per_step * num_fragments),
+      "merged": int(sum(sum(r["tokens"]) for r in tape)),
+      "discarded": int(sum(l.discarded_fragment_tokens for l in incarnations)),
+      "lost_at_failures": int(lost),
+      "unmerged_at_end": int(sum(l.counters().tokens.sum() for l in run.learners
+                                 if l not in incarnations[len(run.learners):])),
+  }
+  return {
+      "faults": faults,
+      "failures": failures,
+      "rejoins": sum(1 for r in failures if r.get("restarted")),
+      "rejected_offers": dict(stats.rejected_offers),
+      "fragment_token_accounting": accounting,
+  }
 
 
 def _device_peak_bytes(run: Run) -> int | None:

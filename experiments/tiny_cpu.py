@@ -22,6 +22,21 @@ def get_config() -> ml_collections.ConfigDict:
   # Fail the run (every thread stopped, the error named) when no learner makes a step, or the final
   # flush does not end, for this many seconds: a hung run ends instead of waiting forever.
   config.stall_timeout_s = 600.0
+  # A learner that fails (any error in its step path) is restarted as a new incarnation once its
+  # devices are back, from a healthy peer's state and the syncer's Theta (decoupled mode); after
+  # this many restarts of one learner the run goes on without it.
+  config.max_restarts = 20
+
+  # Faults to inject (decoupled mode), see decoupled_diloco/runtime/chaos.py. E.g.
+  #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
+  # Injected today: crash, hang, slow. Random crashes: mtbf_s > 0 per learner, exponential; repairs
+  # Weibull with mean repair_s and shape repair_shape (the goodput simulator's model).
+  config.chaos = ml_collections.ConfigDict()
+  config.chaos.schedule = ""
+  config.chaos.mtbf_s = 0.0  # 0 = no random crashes
+  config.chaos.repair_s = 5.0
+  config.chaos.repair_shape = 0.85
+  config.chaos.seed = 0
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use

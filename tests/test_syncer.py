@@ -368,3 +368,56 @@ def test_a_learner_attached_mid_run_takes_part_from_the_next_round(running):
   _wait(lambda: syncer.stats.merges == 2)
   assert syncer.tape[-1]["learners"] == [0, 2]
   assert late.received and late.received[-1].version == 2
+
+
+def _offer_of(syncer, learner, p, value, *, step, since=0, incarnation=0, cls=None):
+  offer = _offer(syncer, learner, p, value, step=step, since=since, cls=cls)
+  return messages.Offer(**{**offer.__dict__, "incarnation": incarnation})
+
+
+def test_the_offer_of_a_learner_that_failed_before_its_round_closed_is_never_merged(running):
+  """Spec §6: a failed learner's state is gone; an offer it made that no merge has taken in yet
+  (here: still copying to host RAM when it fails) must not reach Theta."""
+  syncer, (a, b) = _syncer(quorum=2, grace_gamma=0.0)
+  NotLanded.landed.clear()
+  a.answers[1] = _offer(syncer, 0, 1, 1.0, step=1)
+  b.answers[1] = _offer(syncer, 1, 1, 5.0, step=1, cls=NotLanded)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: (1, 0) in b.asked)
+  syncer.post(messages.LearnerExit(1, 1, "LearnerFailure: devices lost"))
+  _wait(lambda: syncer.tape)
+  NotLanded.landed.set()
+  assert syncer.tape[0]["learners"] == [0]
+  assert syncer.stats.rejected_offers["stale_incarnation"] == 1
+  for name in syncer.model.fragments[1].names:  # Theta_1 = 0 - (0 - 1): learner 0's offer only
+    np.testing.assert_allclose(syncer.global_params()[name], 1.0, rtol=1e-6)
+
+
+def test_a_restarted_learner_counts_its_steps_afresh_and_its_old_incarnation_is_ignored(running):
+  syncer, (a, b) = _syncer(period=2, quorum=2)
+  p = 1
+  a.answers[p] = lambda merged_through: _offer(syncer, 0, p, 1.0, step=merged_through + 2,
+                                               since=merged_through)
+  b.answers[p] = lambda merged_through: _offer(syncer, 1, p, 1.0, step=9, since=0)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.stats.merges == 1)  # learner 1 merged through its step 9
+  syncer.post(messages.LearnerExit(1, 9, "LearnerFailure"))
+  reborn = Scripted(1)
+  # The new incarnation rejoined from a peer at step 3: its steps (3, 5] are new progress, though
+  # the old incarnation had merged through step 9.
+  reborn.answers[p] = lambda merged_through: _offer_of(syncer, 1, p, 2.0, step=5, since=3,
+                                                       incarnation=1)
+  syncer.attach(1, reborn, step=3, incarnation=1, anchor_versions=np.zeros(2, np.int64))
+  # It is sent every fragment merged since the versions it holds (fragment 1 is at version 1).
+  _wait(lambda: any(bc.fragment == p and bc.version == 1 for bc in reborn.received))
+  syncer.post(_offer_of(syncer, 1, p, 7.0, step=10, since=9, incarnation=0))  # a straggler
+  syncer.post(messages.StepReport(1, 10, 0.01, 100, incarnation=0))
+  _step(syncer, [0], 3)
+  syncer.post(messages.StepReport(1, 5, 0.01, 100, incarnation=1))
+  _wait(lambda: syncer.stats.merges == 2)
+  assert syncer.tape[-1]["learners"] == [0, 1] and syncer.tape[-1]["incarnations"] == [0, 1]
+  assert syncer.tape[-1]["learner_steps"] == [4, 5]
+  assert syncer.stats.rejected_offers["stale_incarnation"] == 1 and syncer.stats.stale_messages == 1
+  assert tape_lib.double_merged_offers(syncer.tape) == 0

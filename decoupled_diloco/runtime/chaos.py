@@ -1,0 +1,210 @@
+r"""Faults to inject, read from the config: `config.chaos.schedule` and random crashes (spec §6).
+
+Pure: this module parses and checks the schedule text and draws random crashes from a seed. It
+does not inject anything: the runtime fires each fault through the path a real failure takes (a
+crash is an exception in the learner's step path), so recovery code never knows a fault was made up.
+
+The schedule is one string, so that it can be given on the command line: `;`-separated events,
+each `KIND@key=value,key=value`:
+
+  crash@learner=M,step=S,down_s=D            learner M fails before step S, repaired D s later;
+                                             its device state counts as lost
+  hang@learner=M,step=S,seconds=T            stops stepping for T s, then goes on with its old state
+  slow@learner=M,step=S,factor=F,seconds=T   its steps take F times as long for T s
+  partition@learner=M,step=S,seconds=T       nothing reaches or leaves it for T s; it keeps training
+  nan@learner=M,step=S                       its parameters hold a NaN from step S on
+  join@learner=M,second=T                    a learner held back at start (config.late_learners)
+                                             joins T s into training
+  syncer_crash@second=T,down_s=D             the syncer's state is lost; restarted D s later
+  corrupt_checkpoint@second=T                the newest checkpoint on disk is damaged
+
+A learner event fires before a given step of that learner (`step=`) or at a time into training
+(`second=`): exactly one of the two. Random mode adds crashes at exponential intervals of mean
+`mtbf_s` per learner, each repaired after a Weibull time of mean `repair_s` (the simulator's model,
+`sim/cluster.py`); the two sources combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+FIELD = "config.chaos.schedule"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+  target: str  # "learner" (learner=M and step= or second=), "syncer" / "checkpoint" (second=)
+  durations: tuple[str, ...]  # keys that must be given, besides the target and the trigger
+  step_trigger: bool = True  # a learner event may fire at one of its steps
+
+
+KINDS = {
+    "crash": _Kind("learner", ("down_s",)),
+    "hang": _Kind("learner", ("seconds",)),
+    "slow": _Kind("learner", ("factor", "seconds")),
+    "partition": _Kind("learner", ("seconds",)),
+    "nan": _Kind("learner", ()),
+    "join": _Kind("learner", (), step_trigger=False),
+    "syncer_crash": _Kind("syncer", ("down_s",)),
+    "corrupt_checkpoint": _Kind("checkpoint", ()),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+  """One fault to inject. Times are seconds into training (after the build)."""
+
+  kind: str
+  learner: int | None = None  # None for syncer and checkpoint faults
+  step: int | None = None  # fires before this step of the learner ...
+  second: float | None = None  # ... or at this time
+  down_s: float = 0.0  # crash, syncer_crash: until the repair
+  seconds: float = 0.0  # hang, slow, partition: how long it lasts
+  factor: float = 1.0  # slow: step time multiplier
+  source: str = ""  # the event as written, or "random"
+
+  def due(self, step: int, elapsed_s: float) -> bool:
+    """Whether the fault fires at a learner's step boundary `step`, `elapsed_s` into training."""
+    if self.step is not None:
+      return step >= self.step
+    return elapsed_s >= self.second
+
+
+def _error(index: int, event: str, message: str) -> ValueError:
+  return ValueError(f"{FIELD} event {index} ({event!r}): {message}")
+
+
+def _number(index: int, event: str, key: str, text: str, *, integer: bool) -> float | int:
+  try:
+    value = int(text) if integer else float(text)
+  except ValueError:
+    kind = "an integer" if integer else "a number"
+    raise _error(index, event, f"{key}={text!r} must be {kind}") from None
+  if not math.isfinite(value) or value < 0:
+    raise _error(index, event, f"{key}={text} must be >= 0")
+  return value
+
+
+def _parse_event(index: int, event: str, num_learners: int) -> Fault:
+  kind_name, at, body = event.partition("@")
+  kind_name = kind_name.strip()
+  if kind_name not in KINDS:
+    raise _error(index, event, f"unknown kind {kind_name!r}; known kinds: {', '.join(KINDS)}")
+  if not at or not body.strip():
+    raise _error(index, event, f"needs keys after '@', e.g. {kind_name}@key=value,key=value")
+  kind = KINDS[kind_name]
+  allowed = set(kind.durations) | {"second"}
+  if kind.target == "learner":
+    allowed |= {"learner"} | ({"step"} if kind.step_trigger else set())
+  values: dict[str, str] = {}
+  for item in body.split(","):
+    key, eq, text = (part.strip() for part in item.partition("="))
+    if not eq or not key or not text:
+      raise _error(index, event, f"{item.strip()!r} is not key=value")
+    if key not in allowed:
+      raise _error(index, event, f"{kind_name} takes no key {key!r}; it takes "
+                                 f"{', '.join(sorted(allowed))}")
+    if key in values:
+      raise _error(index, event, f"{key} is given twice")
+    values[key] = text
+  missing = [k for k in kind.durations if k not in values]
+  if kind.target == "learner" and "learner" not in values:
+    missing.insert(0, "learner")
+  if missing:
+    raise _error(index, event, f"{kind_name} needs {', '.join(missing)}")
+  fields: dict = {"kind": kind_name, "source": event}
+  if kind.target == "learner":
+    learner = _number(index, event, "learner", values["learner"], integer=True)
+    if learner >= num_learners:
+      raise _error(index, event, f"learner={learner} is out of range: the run has learners "
+                                 f"0..{num_learners - 1}")
+    fields["learner"] = learner
+  triggers = [k for k in ("step", "second") if k in values]
+  if len(triggers) != 1:
+    needed = "one of step= or second=" if "step" in allowed else "second="
+    raise _error(index, event, f"{kind_name} needs {needed} (when it happens)")
+  if triggers == ["step"]:
+    fields["step"] = _number(index, event, "step", values["step"], integer=True)
+  else:
+    fields["second"] = _number(index, event, "second", values["second"], integer=False)
+  for key in kind.durations:
+    fields[key] = _number(index, event, key, values[key], integer=False)
+  if kind_name in ("hang", "slow", "partition") and not fields["seconds"] > 0:
+    raise _error(index, event, f"seconds={values['seconds']} must be > 0")
+  if kind_name == "slow" and not fields["factor"] >= 1:
+    raise _error(index, event, f"factor={values['factor']} must be >= 1 (a step takes factor "
+                               "times as long)")
+  return Fault(**fields)
+
+
+def parse_schedule(text: str, num_learners: int) -> tuple[Fault, ...]:
+  """The faults a schedule string names, in the order written; errors name the event."""
+  if not isinstance(text, str):
+    raise ValueError(f"{FIELD}={text!r} must be a string of ';'-separated events")
+  events = [event.strip() for event in text.split(";")]
+  if events == [""]:
+    return ()
+  faults = []
+  for index, event in enumerate(events):
+    if not event:
+      raise ValueError(f"{FIELD}={text!r}: event {index} is empty (a stray ';')")
+    faults.append(_parse_event(index, event, num_learners))
+  return tuple(faults)
+
+
+def check_joins(faults: Sequence[Fault], late_learners: Sequence[int]) -> None:
+  """Each late learner joins exactly once, and only late learners join."""
+  joins = [f.learner for f in faults if f.kind == "join"]
+  for fault in faults:
+    if fault.kind == "join" and fault.learner not in late_learners:
+      raise ValueError(f"{FIELD} event {fault.source!r}: learner {fault.learner} is not in "
+                       f"config.late_learners={tuple(late_learners)}, so it is already running")
+  for learner in late_learners:
+    if joins.count(learner) != 1:
+      raise ValueError(f"config.late_learners holds {learner}, so {FIELD} needs exactly one "
+                       f"join@learner={learner},second=T (it has {joins.count(learner)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomCrashes:
+  """Crashes at exponential intervals of mean `mtbf_s` per learner, Weibull repairs (sim's model).
+
+  The draws depend only on (seed, learner): the same config injects the same crashes whatever the
+  run's timing. A learner's next failure is drawn from when its repair ends.
+  """
+
+  mtbf_s: float
+  repair_s: float
+  repair_shape: float
+  seed: int
+
+  def __post_init__(self):
+    for name in ("mtbf_s", "repair_s"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"config.chaos.{name}={value!r} must be a number >= 0 "
+                         "(mtbf_s=0: no random crashes)")
+    if not self.repair_shape > 0:
+      raise ValueError(f"config.chaos.repair_shape={self.repair_shape!r} must be > 0 "
+                       "(1 = exponential repairs; larger = more regular)")
+
+  @property
+  def enabled(self) -> bool:
+    return self.mtbf_s > 0
+
+  def crashes(self, learner: int) -> Iterator[Fault]:
+    """Learner `learner`'s crashes in time order (endless; empty when random mode is off)."""
+    if not self.enabled:
+      return
+    rng = np.random.default_rng([self.seed, learner])
+    unit_mean = 1.0 / math.gamma(1.0 + 1.0 / self.repair_shape)
+    t = 0.0
+    while True:
+      t += float(rng.exponential(self.mtbf_s))
+      down = self.repair_s * unit_mean * float(rng.weibull(self.repair_shape))
+      yield Fault("crash", learner=learner, second=t, down_s=down, source="random")
+      t += down

@@ -1,0 +1,131 @@
+"""Fires the faults of `config.chaos` inside a running job, through the paths real failures take.
+
+A crash is an exception raised in the learner's step path, before its next step: on Pathways a lost
+slice surfaces the same way, as an error on the next access to its arrays. The injector also plays
+the cluster's repair service: it knows when a crashed learner's devices are back
+(`repaired_at`), which is all the recovery code (`supervisor.py`) asks; it never learns whether a
+failure was injected.
+
+A hang blocks the learner's thread for its duration (a stale learner that wakes up with its old
+state); a slow learner's steps are stretched by sleeping (factor - 1) step times after each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import logging
+
+from decoupled_diloco.runtime import chaos
+
+# The kinds this runtime fires. The others parse (chaos.KINDS) but are refused at start-up.
+INJECTED_KINDS = ("crash", "hang", "slow")
+
+
+class LearnerFailure(RuntimeError):
+  """A learner's devices failed: its device state is lost."""
+
+
+class FaultInjector:
+  """Per learner, the faults still to fire; called on each learner's thread before every step."""
+
+  def __init__(self, faults: Sequence[chaos.Fault], random_crashes: chaos.RandomCrashes | None,
+               num_learners: int, *, on_fault: Callable[[dict[str, Any]], None] | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    unsupported = sorted({f.kind for f in faults} - set(INJECTED_KINDS))
+    if unsupported:
+      raise ValueError(f"config.chaos.schedule: {', '.join(unsupported)} faults are not injected "
+                       f"by this runtime yet; it injects {', '.join(INJECTED_KINDS)}")
+    self._clock = clock
+    self._on_fault = on_fault
+    self._lock = threading.Lock()
+    self._pending = {m: [f for f in faults if f.learner == m] for m in range(num_learners)}
+    self._random = {m: random_crashes.crashes(m) for m in range(num_learners)
+                    } if random_crashes is not None and random_crashes.enabled else {}
+    self._next_random = {m: next(gen) for m, gen in self._random.items()}
+    self._repaired_at: dict[int, float] = {}
+    self._slow_until: dict[int, tuple[float, float]] = {}  # learner -> (until, factor)
+    self._last_call: dict[int, float] = {}
+    self._stop = threading.Event()
+    self._started_at: float | None = None
+    self.records: list[dict[str, Any]] = []
+
+  def start(self, started_at: float | None = None) -> None:
+    """Training starts (now by default): `second=` triggers count from here."""
+    self._started_at = self._clock() if started_at is None else started_at
+
+  def stop(self) -> None:
+    """Ends any hang at once (the run is shutting down)."""
+    self._stop.set()
+
+  def elapsed(self) -> float:
+    return 0.0 if self._started_at is None else self._clock() - self._started_at
+
+  def repaired_at(self, learner: int) -> float:
+    """When the devices of `learner` can be used again (clock time); now if they never failed."""
+    with self._lock:
+      return self._repaired_at.get(learner, self._clock())
+
+  def step_hook(self, learner: int, step: int) -> None:
+    """Before step `step` of `learner`, on its thread: fires what is due (may raise)."""
+    if self._started_at is None:
+      return
+    now, elapsed = self._clock(), self.elapsed()
+    self._stretch(learner, now)
+    due = self._take_due(learner, step, elapsed)
+    for fault in due:
+      self._fire(fault, learner, step, elapsed)
+
+  # ---- internals -------------------------------------------------------------------------------
+
+  def _take_due(self, learner: int, step: int, elapsed: float) -> list[chaos.Fault]:
+    with self._lock:
+      pending = self._pending[learner]
+      due = [f for f in pending if f.due(step, elapsed)]
+      self._pending[learner] = [f for f in pending if f not in due]
+      upcoming = self._next_random.get(learner)
+      if upcoming is not None and upcoming.due(step, elapsed):
+        due.append(upcoming)
+        self._next_random[learner] = next(self._random[learner])
+    # A crash ends the step path: the faults fired before it in the same boundary go first.
+    return sorted(due, key=lambda f: f.kind == "crash")
+
+  def _record(self, fault: chaos.Fault, learner: int, step: int, elapsed: float,
+              **extra) -> dict[str, Any]:
+    record = {"fault": fault.kind, "learner": learner, "step": step, "at_s": round(elapsed, 3),
+              "source": fault.source, **extra}
+    with self._lock:
+      self.records.append(record)
+    logging.warning("fault: %s of learner %d before step %d at %.1f s (%s)", fault.kind, learner,
+                    step, elapsed, fault.source)
+    if self._on_fault is not None:
+      self._on_fault(record)
+    return record
+
+  def _fire(self, fault: chaos.Fault, learner: int, step: int, elapsed: float) -> None:
+    if fault.kind == "crash":
+      with self._lock:
+        self._repaired_at[learner] = self._clock() + fault.down_s
+      self._record(fault, learner, step, elapsed, down_s=round(fault.down_s, 3))
+      raise LearnerFailure(f"learner {learner}: its devices failed before step {step}")
+    if fault.kind == "hang":
+      self._record(fault, learner, step, elapsed, seconds=fault.seconds)
+      self._stop.wait(fault.seconds)
+    elif fault.kind == "slow":
+      self._record(fault, learner, step, elapsed, seconds=fault.seconds, factor=fault.factor)
+      with self._lock:
+        self._slow_until[learner] = (self._clock() + fault.seconds, fault.factor)
+
+  def _stretch(self, learner: int, now: float) -> None:
+    """While `learner` is slow, sleep (factor - 1) times the time its last step took."""
+    last, self._last_call[learner] = self._last_call.get(learner), now
+    with self._lock:
+      until, factor = self._slow_until.get(learner, (0.0, 1.0))
+    if last is None or now >= until:
+      return
+    # `last` is taken after the previous stretch: now - last is one step's own time.
+    self._stop.wait((factor - 1.0) * (now - last))
+    self._last_call[learner] = self._clock()

@@ -1,0 +1,165 @@
+"""Restarts failed learners as new incarnations on their own meshes (spec §6, rejoin).
+
+The watcher loop of `train.execute` calls `poll()`. A learner whose thread ended with an error has
+failed, whatever the cause: the supervisor records what the failure lost (the learner's steps that
+no merge had taken in), waits until its devices are repaired (`repaired_at`, the cluster's answer;
+now for a failure that took no device down), and starts the next incarnation:
+
+- inner state: the AdamW moments and step count of the healthy peer with the newest publication
+  (in-memory peer state, no stop of the peer: publications are immutable device arrays); with no
+  healthy peer, fresh moments at the failed learner's last step;
+- parameters: the syncer's current Theta_p of every fragment, with those versions as anchors and
+  counters at 0 (`GlobalModel.received`); the syncer sends whatever it merges after that read;
+- data: its own loader, whose position the host kept (a thread runtime's host survives a device
+  failure; a process runtime will take it from the learner's checkpoint).
+
+The failed incarnation's state is never read again: only its host-side counters, to account for
+what it lost. Each restart is a record in `records` and a `rejoin` line in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from decoupled_diloco import inner
+from decoupled_diloco import learner as learner_lib
+from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import syncer as syncer_lib
+
+
+class Supervisor:
+  """Watches the learners; replaces a failed one with its next incarnation once repaired."""
+
+  def __init__(self, learners: list[learner_lib.Learner], syncer: syncer_lib.Syncer, *,
+               init_opt_state: Callable[[Any], Any], repaired_at: Callable[[int], float],
+               max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    self.learners = learners  # the run's list: a restart replaces its entry
+    self._syncer = syncer
+    self._init_opt_state = init_opt_state
+    self._repaired_at = repaired_at
+    self._max_restarts = max_restarts
+    self._metrics = metrics
+    self._clock = clock
+    self._started_at = clock()
+    self._failed: dict[int, dict[str, Any]] = {}  # learner -> record of the failure being healed
+    self._waiting_first_step: dict[int, dict[str, Any]] = {}
+    self.restarts = [0] * len(learners)
+    self.retired: list[learner_lib.Learner] = []  # failed incarnations, for the accounting
+    self.start_steps = [0] * len(learners)  # where each learner's current incarnation started
+    self.records: list[dict[str, Any]] = []
+
+  def start(self, started_at: float) -> None:
+    """Training started at `started_at` (clock time): records count their seconds from there."""
+    self._started_at = started_at
+
+  @property
+  def pending(self) -> bool:
+    """A failed learner waits for its repair or restart: the run is not over."""
+    return bool(self._failed)
+
+  def poll(self) -> bool:
+    """Records new failures, restarts repaired learners. Returns whether a learner restarted."""
+    now = self._clock()
+    restarted = False
+    for m, learner in enumerate(self.learners):
+      if learner.error is not None and m not in self._failed and learner not in self.retired:
+        self._on_failure(m, learner, now)
+      if m in self._failed and now >= self._repaired_at(m):
+        self._rejoin(m)
+        restarted = True
+      record = self._waiting_first_step.get(m)
+      if record is not None and self.learners[m].first_step_done_at is not None:
+        first = self.learners[m].first_step_done_at
+        record["repair_to_first_step_s"] = round(first - record["_repaired_clock"], 3)
+        del record["_repaired_clock"], self._waiting_first_step[m]
+        self._write(record)
+    return restarted
+
+  def _elapsed(self, t: float) -> float:
+    return round(t - self._started_at, 3)
+
+  def _on_failure(self, m: int, learner: learner_lib.Learner, now: float) -> None:
+    counters = learner.counters()
+    self.retired.append(learner)
+    record = {"learner": m, "incarnation": learner.incarnation, "step": learner.step,
+              "failed_at_s": self._elapsed(now), "error": repr(learner.error),
+              "unmerged_fragment_steps": int(counters.steps.sum()),
+              # Per fragment, what its host-side counters held and the Theta_p versions it had
+              # applied: the summary subtracts what merges in flight still took in.
+              "counter_tokens": counters.tokens.tolist(),
+              "anchor_versions": counters.anchor_versions.tolist()}
+    self.records.append(record)
+    if self.restarts[m] >= self._max_restarts:
+      record["restarted"] = False
+      logging.error("learner %d failed at step %d and has been restarted %d times "
+                    "(config.max_restarts): the run goes on without it", m, learner.step,
+                    self.restarts[m])
+      self._write(record)
+      return
+    self._failed[m] = record
+    logging.warning("learner %d failed at step %d (%r); it held %d fragment-steps no applied merge "
+                    "had taken in; it restarts once repaired", m, learner.step, learner.error,
+                    record["unmerged_fragment_steps"])
+
+  def _healthy_peer(self, m: int) -> learner_lib.Learner | None:
+    peers = [l for l in self.learners if l.index != m and l.alive
+             and l.published.opt_state is not None]
+    return max(peers, key=lambda l: l.published.step, default=None)
+
+  def _rejoin(self, m: int) -> None:
+    record = self._failed.pop(m)
+    failed = self.learners[m]
+    failed.join(timeout=10)  # it has failed; its thread is only posting its exit
+    repaired = self._clock()
+    theta, versions = self._syncer.model.received()
+    layout = failed.layout
+    params = layout.to_native(theta)
+    peer = self._healthy_peer(m)
+    if peer is not None:
+      published = peer.published
+      step, opt_state, state_step = published.step, published.opt_state, published.state_step
+      source = f"learner {peer.index}"
+    else:
+      step = failed.step
+      opt_state, state_step = self._init_opt_state(params), np.int32(step)
+      source = "fresh optimizer state (no healthy peer)"
+    num_fragments = len(versions)
+    snapshot = learner_lib.LearnerSnapshot(
+        step=step,
+        train_state=inner.TrainState(params=params, opt_state=opt_state, step=state_step),
+        data_state=None,  # the loader keeps its own position
+        counter_steps=np.zeros(num_fragments, np.int64),
+        counter_tokens=np.zeros(num_fragments, np.int64),
+        since=np.full(num_fragments, step, np.int64),
+        anchors=theta, anchor_versions=versions)
+    new = failed.respawn(snapshot)
+    self.learners[m] = new
+    self.start_steps[m] = step
+    self.restarts[m] += 1
+    self._syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
+    new.start()
+    theta_bytes = sum(int(v.nbytes) for v in theta.values())
+    opt_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+                    for x in jax.tree.leaves(opt_state))
+    record.update(restarted=True, repaired_at_s=self._elapsed(repaired),
+                  incarnation_after=new.incarnation, step_after=step, state_from=source,
+                  bytes_to_rejoiner=theta_bytes + opt_bytes,
+                  rejoin_build_s=round(self._clock() - repaired, 3), _repaired_clock=repaired)
+    self._waiting_first_step[m] = record
+    logging.info("learner %d rejoined as incarnation %d at step %d (state from %s, %.1f MB)",
+                 m, new.incarnation, step, source, record["bytes_to_rejoiner"] / 1e6)
+
+  def _write(self, record: dict[str, Any]) -> None:
+    if self._metrics is not None:
+      self._metrics.write("rejoin", {k: v for k, v in record.items() if not k.startswith("_")
+                                     and k not in ("counter_tokens", "anchor_versions")})
+
+  def summary_records(self) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in self.records]

@@ -1,0 +1,189 @@
+"""Faults injected into the real runtime and the learners' rejoin (spec §6, issue 9).
+
+Each test runs the tiny config for real (learner threads on fake CPU meshes, the syncer) with
+faults from `config.chaos` or a failing step hook, and checks an invariant the recovery promises.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from decoupled_diloco import settings
+from decoupled_diloco import train
+
+
+def _build(tmp_path, schedule="", step_hook=None, **overrides):
+  config = tiny_config(tmp_path, chaos__schedule=schedule, **overrides)
+  return train.build(config, step_hook=step_hook)
+
+
+class _StepLog:
+  """A step hook that records (time, learner, incarnation-agnostic step) of every step start."""
+
+  def __init__(self):
+    self.events = []
+    self._lock = threading.Lock()
+
+  def __call__(self, learner, step):
+    with self._lock:
+      self.events.append((time.monotonic(), learner, step))
+
+
+def _record_installed_theta(run):
+  """Keeps a copy of every Theta_p the syncer installs, by (fragment, version)."""
+  theta, versions = run.syncer.model.received()
+  installed = {(p, int(versions[p])): {n: np.array(theta[n]) for n in fragment.names}
+               for p, fragment in enumerate(run.fragments)}
+  install = run.syncer.model.install
+
+  def recording_install(result, anchored=()):
+    version = install(result, anchored)
+    installed[result.fragment, version] = {n: np.array(v) for n, v in result.theta.items()}
+    return version
+
+  run.syncer.model.install = recording_install
+  return installed
+
+
+def test_a_crashed_learner_rejoins_with_the_syncers_theta_and_a_peers_optimizer_state(tmp_path):
+  seen_at_first_step = {}
+
+  def check_first_step(learner, step):
+    current = run.learners[learner]
+    if learner == 1 and current.incarnation == 1 and "params" not in seen_at_first_step:
+      published = current.published
+      seen_at_first_step.update(
+          params={n: np.asarray(v) for n, v in current.flat_params().items()},
+          versions=published.anchor_versions.copy(), step=step)
+
+  run = _build(tmp_path, "crash@learner=1,step=6,down_s=0.5", step_hook=check_first_step,
+               learner_step_delays_s=(0.05,) * 4)
+  installed = _record_installed_theta(run)
+  summary = train.execute(run, progress=False)
+
+  assert summary["rejoins"] == 1 and summary["learner_errors"] == [None] * 4
+  assert run.learners[1].incarnation == 1
+  [fault] = summary["faults"]
+  assert fault["fault"] == "crash" and fault["learner"] == 1 and fault["step"] == 6
+  assert fault["restarted"] and fault["state_from"].startswith("learner ")
+  assert fault["failed_at_s"] >= fault["at_s"]
+  assert fault["repaired_at_s"] >= fault["at_s"] + 0.5
+  assert fault["bytes_to_rejoiner"] > 0 and fault["repair_to_first_step_s"] > 0
+  # Its parameters at its first step are Theta_p at the versions it is anchored at, every fragment.
+  assert seen_at_first_step["step"] == fault["step_after"]
+  for p, fragment in enumerate(run.fragments):
+    theta = installed[p, int(seen_at_first_step["versions"][p])]
+    for name in fragment.names:
+      np.testing.assert_array_equal(seen_at_first_step["params"][name], theta[name])
+  # It trained on to the end and took part in merges as its new incarnation.
+  assert summary["learner_steps"] == [24] * 4
+  assert any((1, 1) in zip(r["learners"], r["incarnations"]) for r in run.syncer.tape)
+  assert summary["unmerged_steps_at_end"] == [0] * 4 and summary["double_merged_offers"] == 0
+
+
+def test_every_token_is_merged_discarded_lost_or_unmerged(tmp_path):
+  run = _build(tmp_path, "crash@learner=2,step=6,down_s=0.2;crash@learner=2,step=15,down_s=0.2;"
+                         "crash@learner=0,second=0.8,down_s=0.3",
+               learner_step_delays_s=(0.05,) * 4)
+  summary = train.execute(run, progress=False)
+  assert summary["rejoins"] == 3
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["lost_at_failures"] > 0 and tokens["discarded"] > 0
+  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
+                            + tokens["unmerged_at_end"])
+  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+
+
+def test_no_offer_of_a_failed_incarnation_is_merged_after_it_failed(tmp_path):
+  failed_at = {}
+
+  def note_failure(learner, step):
+    if learner == 3 and step == 10 and run.learners[3].incarnation == 0:
+      failed_at["tape_length"] = len(run.syncer.tape)
+      raise RuntimeError("device lost")
+
+  run = _build(tmp_path, step_hook=note_failure, sync__quorum=4, sync__grace_cap_s=2.0)
+  summary = train.execute(run, progress=False)
+  assert summary["rejoins"] == 1
+  # A merge that closed after the failure may hold only offers the syncer had in host RAM before;
+  # none of incarnation 0 was taken later: its steps all precede the failure.
+  later = run.syncer.tape[failed_at["tape_length"]:]
+  for record in later:
+    for learner, incarnation, step in zip(record["learners"], record["incarnations"],
+                                          record["learner_steps"]):
+      if (learner, incarnation) == (3, 0):
+        assert step <= 10
+  assert sum((3, 0) in zip(r["learners"], r["incarnations"]) for r in later) <= len(run.fragments)
+
+
+def test_a_failure_the_runtime_did_not_inject_is_healed_the_same_way(tmp_path):
+  def device_error(learner, step):
+    if learner == 0 and step == 5 and run.learners[0].incarnation == 0:
+      raise RuntimeError("XlaRuntimeError: INTERNAL: device halted")
+
+  run = _build(tmp_path, step_hook=device_error)
+  summary = train.execute(run, progress=False)
+  assert summary["faults"] == [] and summary["rejoins"] == 1
+  [failure] = summary["failures"]
+  assert "device halted" in failure["error"] and failure["state_from"].startswith("learner ")
+
+
+def test_a_learner_failing_more_than_max_restarts_stays_down_and_the_run_goes_on(tmp_path):
+  def always_fails(learner, step):
+    if learner == 2 and step >= 6:
+      raise RuntimeError("broken slice")
+
+  run = _build(tmp_path, step_hook=always_fails, max_restarts=2)
+  summary = train.execute(run, progress=False)
+  assert [f["restarted"] for f in summary["failures"]] == [True, True, False]
+  assert summary["rejoins"] == 2 and "broken slice" in summary["learner_errors"][2]
+  assert summary["learner_steps"][0] == 24 and np.isfinite(summary["final_eval_loss"])
+
+
+def test_the_others_keep_stepping_while_a_learner_is_down_and_the_rejoin_compiles_nothing(
+    tmp_path):
+  log = _StepLog()
+  run = _build(tmp_path, "crash@learner=1,step=6,down_s=1.5", step_hook=log,
+               learner_step_delays_s=(0.05,) * 4)
+  train_step = run.learners[1]._train_step
+  compiled_before = train_step._cache_size()
+  summary = train.execute(run, progress=False)
+  [fault] = summary["faults"]
+  start = min(t for t, _, _ in log.events)
+  down = (start + fault["failed_at_s"], start + fault["repaired_at_s"])
+  others_during = [e for e in log.events if e[1] != 1 and down[0] < e[0] < down[1]]
+  assert len(others_during) >= 3, "the other learners must train while learner 1 is down"
+  assert train_step._cache_size() == compiled_before
+
+
+def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
+  run = _build(tmp_path, "hang@learner=2,step=5,seconds=1.5;slow@learner=3,step=5,factor=4,"
+                         "seconds=2", learner_step_delays_s=(0.05,) * 4)
+  summary = train.execute(run, progress=False)
+  assert [f["fault"] for f in summary["faults"]] == ["hang", "slow"] or \
+      [f["fault"] for f in summary["faults"]] == ["slow", "hang"]
+  hung = max(run.learners[2].step_times)
+  assert hung >= 1.5
+  assert max(run.learners[0].step_times) < hung / 2
+  slow = np.array(run.learners[3].step_times[5:9])
+  normal = np.median(run.learners[3].step_times[-8:])
+  assert np.median(slow) > 2 * normal
+  assert summary["rejoins"] == 0 and summary["learner_steps"] == [24] * 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"chaos__schedule": "crash@learner=7,step=1,down_s=1"}, "learner=7 is out of range"),
+    ({"chaos__schedule": "partition@learner=0,step=1,seconds=1"},
+     "partition faults are not injected by this runtime yet"),
+    ({"chaos__schedule": "crash@learner=0,step=1,down_s=1", "mode": "dp"},
+     "config.mode='decoupled' only"),
+    ({"chaos__mtbf_s": 5.0, "mode": "diloco"}, "config.chaos.mtbf_s"),
+    ({"chaos__repair_shape": 0.0}, "config.chaos.repair_shape"),
+    ({"max_restarts": -1}, "config.max_restarts"),
+])
+def test_bad_chaos_settings_are_refused_at_start_up(tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    settings.validate(tiny_config(tmp_path, **overrides))
