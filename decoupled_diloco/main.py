@@ -7,8 +7,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from decoupled_diloco import devices
-from decoupled_diloco import train
+from decoupled_diloco.runtime import devices
+from decoupled_diloco.runtime import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)

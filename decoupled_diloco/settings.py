@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from decoupled_diloco import compression
-from decoupled_diloco import data as data_lib
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import inner
-from decoupled_diloco import merge
-from decoupled_diloco import model as model_lib
-from decoupled_diloco import outer
-from decoupled_diloco import schedule as schedule_lib
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import merge
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import schedule as schedule_lib
+from decoupled_diloco.lm import data as data_lib
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
 
 MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")

@@ -42,11 +42,11 @@ def main():
 
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh
-  from decoupled_diloco import fragments as fragments_lib
-  from decoupled_diloco import global_model
-  from decoupled_diloco import messages
-  from decoupled_diloco import model as model_lib
-  from decoupled_diloco import outer
+  from decoupled_diloco.algorithm import fragments as fragments_lib
+  from decoupled_diloco.algorithm import outer
+  from decoupled_diloco.lm import model as model_lib
+  from decoupled_diloco.runtime import global_model
+  from decoupled_diloco.runtime import messages
 
   cfg = model_lib.ModelConfig(embed_dim=args.embed_dim, num_layers=args.num_layers,
                               num_heads=args.num_heads, head_dim=args.head_dim,

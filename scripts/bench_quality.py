@@ -21,7 +21,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
-from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "tiny_cpu.py"),
@@ -44,9 +44,9 @@ def main(argv):
   del argv
   base = _CONFIG.value
   devices.request_fake_cpu_devices(base.devices.num_fake_cpu_devices)
-  from decoupled_diloco import data  # pylint: disable=g-import-not-at-top
   from decoupled_diloco import settings
-  from decoupled_diloco import train
+  from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import train
   path = settings.validate(base).data_path
   train_tokens, eval_tokens = data.split_tokens(data.load_tokens(path), base.data.eval_fraction)
   bigram = data.bigram_entropy(train_tokens, eval_tokens)

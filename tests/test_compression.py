@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.compression: wire formats of outer gradients (spec §5)."""
+"""Tests for decoupled_diloco.algorithm.compression: wire formats of outer gradients (spec §5)."""
 
 import math
 
@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from decoupled_diloco import compression as comp
+from decoupled_diloco.algorithm import compression as comp
 
 
 def _random(shape, seed=0, scale=1.0):

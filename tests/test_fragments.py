@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.fragments: the split of the parameters into P fragments (spec §2)."""
+"""Tests for algorithm.fragments: the split of the parameters into P fragments (spec §2)."""
 
 import itertools
 
@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import fragments as fr
+from decoupled_diloco.algorithm import fragments as fr
 
 F32 = np.float32
 EMBEDDING = "embedder/embedding"

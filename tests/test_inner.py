@@ -1,4 +1,4 @@
-"""Tests of decoupled_diloco.inner: the AdamW schedule, sharded train state and jitted steps."""
+"""Tests of decoupled_diloco.lm.inner: the AdamW schedule, sharded train state and jitted steps."""
 
 import dataclasses
 import functools
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from decoupled_diloco import inner, model
+from decoupled_diloco.lm import inner, model
 
 TINY = model.ModelConfig(
     vocab_size=256, embed_dim=32, num_layers=2, num_heads=2, head_dim=16, mlp_dim=64,

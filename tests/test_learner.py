@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from decoupled_diloco import compression
-from decoupled_diloco import learner as learner_lib
-from decoupled_diloco import messages
-from decoupled_diloco import train
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import train
 
 P = 1  # the fragment the tests sync
 

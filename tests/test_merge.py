@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.merge: learner weights, weighted average and RDA (spec §5)."""
+"""Tests for algorithm.merge: learner weights, weighted average and RDA (spec §5)."""
 
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decoupled_diloco import merge
+from decoupled_diloco.algorithm import merge
 
 # The hand-worked case used throughout: two learners, one 2-vector tensor.
 #   Δ1 = [3, 4], ‖Δ1‖ = 5, φ(Δ1) = [0.6, 0.8];  Δ2 = [0, 2], ‖Δ2‖ = 2, φ(Δ2) = [0, 1];  w = (1, 3).

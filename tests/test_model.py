@@ -1,4 +1,4 @@
-"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors,
+"""Tests of decoupled_diloco.lm.model: shapes, causality, sharding rules, flat names, config errors,
 scanned vs unrolled blocks, and start-up programs that do not grow with depth."""
 
 import dataclasses
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from decoupled_diloco import model
+from decoupled_diloco.lm import model
 
 TINY = model.ModelConfig(
     vocab_size=256, embed_dim=32, num_layers=2, num_heads=2, head_dim=16, mlp_dim=64,

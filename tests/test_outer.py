@@ -1,11 +1,11 @@
-"""Tests for decoupled_diloco.outer: Θ_p ← OuterOpt(Θ_p, Δ) (spec §5)."""
+"""Tests for decoupled_diloco.algorithm.outer: Θ_p ← OuterOpt(Θ_p, Δ) (spec §5)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decoupled_diloco import merge, outer
+from decoupled_diloco.algorithm import merge, outer
 
 
 def _run(tx, theta, deltas):

@@ -1,10 +1,10 @@
-"""Tests for decoupled_diloco.schedule: the staggered sync schedule (spec §3)."""
+"""Tests for decoupled_diloco.algorithm.schedule: the staggered sync schedule (spec §3)."""
 
 import math
 
 import pytest
 
-from decoupled_diloco.schedule import SyncSchedule
+from decoupled_diloco.algorithm.schedule import SyncSchedule
 
 CONFIGS = [  # (P, H, τ)
     (1, 1, 0),

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from decoupled_diloco import compression
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import global_model
-from decoupled_diloco import messages
-from decoupled_diloco import outer
-from decoupled_diloco import syncer as syncer_lib
-from decoupled_diloco import tape as tape_lib
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.runtime import global_model
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.settings import SyncSettings
 
 NOTHING, STALE = messages.Answer.NOTHING, messages.Answer.STALE

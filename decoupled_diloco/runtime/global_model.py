@@ -32,12 +32,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from decoupled_diloco import compression
-from decoupled_diloco import devices as devices_lib
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import merge as merge_lib
-from decoupled_diloco import messages
-from decoupled_diloco import outer
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import merge as merge_lib
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import messages
 
 _FLOAT_BYTES = 4
 

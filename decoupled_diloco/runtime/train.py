@@ -21,19 +21,19 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import data as data_lib
-from decoupled_diloco import devices as devices_lib
-from decoupled_diloco import evaluate
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import global_model as global_model_lib
-from decoupled_diloco import inner
-from decoupled_diloco import learner as learner_lib
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco import model as model_lib
-from decoupled_diloco import outer
 from decoupled_diloco import settings as settings_lib
-from decoupled_diloco import syncer as syncer_lib
-from decoupled_diloco import tape as tape_lib
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.lm import data as data_lib
+from decoupled_diloco.lm import evaluate
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import global_model as global_model_lib
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import syncer as syncer_lib
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from decoupled_diloco import model
+from decoupled_diloco.lm import model
 
 
 class TrainState(NamedTuple):

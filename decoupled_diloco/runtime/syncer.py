@@ -35,12 +35,12 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import global_model as global_model_lib
-from decoupled_diloco import grace as grace_lib
-from decoupled_diloco import messages
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco.global_model import MergeOptions
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import grace as grace_lib
+from decoupled_diloco.runtime import global_model as global_model_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.global_model import MergeOptions
 from decoupled_diloco.settings import SyncSettings
 
 _FLOAT_BYTES = 4

@@ -41,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import compression
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import inner
-from decoupled_diloco import messages
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco import model as model_lib
-from decoupled_diloco import schedule as schedule_lib
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import schedule as schedule_lib
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import metrics as metrics_lib
 
 
 class SyncerLink(Protocol):
