@@ -47,8 +47,9 @@ def main(argv):
   from decoupled_diloco import settings
   from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.runtime import train
-  path = settings.validate(base).data_path
-  train_tokens, eval_tokens = data.split_tokens(data.load_tokens(path), base.data.eval_fraction)
+  data_settings = settings.validate(base).data
+  train_tokens, eval_tokens = data.split_tokens(data.load_tokens(data_settings.path),
+                                                data_settings.eval_fraction)
   bigram = data.bigram_entropy(train_tokens, eval_tokens)
   unigram = data.unigram_entropy(eval_tokens)
   results = {}
@@ -60,7 +61,7 @@ def main(argv):
     config.num_steps = _NUM_STEPS.value
     config.eval_every = 0
     config.workdir = f"/tmp/bench_quality/{mode}"
-    summary = train.train_and_evaluate(config)
+    summary = train.train_and_evaluate(settings.validate(config))
     results[mode] = {k: summary[k] for k in (
         "final_eval_loss", "tokens_trained", "wall_seconds", "merges", "learner_steps",
         "bytes_learner_syncer")}

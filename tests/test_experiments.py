@@ -44,7 +44,8 @@ spec = importlib.util.spec_from_file_location("cfg", {path!r})
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
 config = module.get_config()
 run = settings.validate(config)
-learner_meshes, syncer_mesh = devices.build_meshes(run.learner_mesh_shapes, run.syncer_devices, "cpu")
+learner_meshes, syncer_mesh = devices.build_meshes(run.learner_mesh_shapes, run.syncer.num_devices,
+                                                   "cpu")
 seen = [d.id for m in learner_meshes for d in m.devices.flat]
 print(json.dumps({{"shapes": [list(m.devices.shape) for m in learner_meshes],
                   "axes": list(learner_meshes[0].axis_names), "distinct": len(set(seen)) == len(seen),

@@ -15,14 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_settings
+from decoupled_diloco import settings
 from decoupled_diloco.runtime import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, **overrides):
-  run = train.build(tiny_config(tmp_path, **overrides))
+  run = train.build(tiny_settings(tmp_path, **overrides))
   summary = train.execute(run, progress=False)
   return run, summary
 
@@ -71,7 +72,7 @@ def test_failed_learner_never_stops_the_others_or_the_syncer(tmp_path):
     if learner == 2 and step == 6:
       raise RuntimeError("injected crash")
 
-  run = train.build(tiny_config(tmp_path), step_hook=crash_learner_2)
+  run = train.build(tiny_settings(tmp_path), step_hook=crash_learner_2)
   summary = train.execute(run, progress=False)
   assert summary["learner_steps"] == [24, 24, 6, 24]
   assert "injected crash" in summary["learner_errors"][2]
@@ -84,7 +85,7 @@ def test_failed_learner_never_stops_the_others_or_the_syncer(tmp_path):
 
 def test_learner_never_waits_for_a_stalled_syncer(tmp_path):
   # ~0.05 s steps: 24 of them take about as long as the stall.
-  run = train.build(tiny_config(tmp_path, learner_step_delays_s=(0.05,) * 4))
+  run = train.build(tiny_settings(tmp_path, learner_step_delays_s=(0.05,) * 4))
   stall_s = 3.0
   finish_merge = run.syncer._finish_merge
   stalled = threading.Event()
@@ -179,10 +180,10 @@ def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_pa
   counters): it ends exactly where an uninterrupted learner ends."""
   from decoupled_diloco.runtime import learner as learner_lib  # pylint: disable=g-import-not-at-top
 
-  reference = train.build(tiny_config(tmp_path / "reference", mode="dp"))
+  reference = train.build(tiny_settings(tmp_path / "reference", mode="dp"))
   train.execute(reference, progress=False)
 
-  stopped = train.build(tiny_config(tmp_path / "stopped", mode="dp"))
+  stopped = train.build(tiny_settings(tmp_path / "stopped", mode="dp"))
   first = stopped.learners[0]
   first._step_hook = lambda _, step: first.stop() if step == 9 else None
   first.start()
@@ -190,7 +191,7 @@ def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_pa
   snapshot = first.snapshot()
   assert snapshot.step == first.step == 10
 
-  fresh = train.build(tiny_config(tmp_path / "fresh", mode="dp")).learners[0]
+  fresh = train.build(tiny_settings(tmp_path / "fresh", mode="dp")).learners[0]
   resumed = learner_lib.Learner(
       0, train_step=fresh._train_step, state=fresh._state, param_shardings=fresh._shardings,
       batches=fresh._batches, fragments=(), options=fresh._options, snapshot=snapshot)
@@ -228,9 +229,9 @@ def test_identity_outer_step_with_one_learner_tracks_dp_under_a_busy_syncer(tmp_
   layout = {"model__scan_layers": scan_layers}
   _, dp = _run(tmp_path / "dp", mode="dp", **_ONE_LEARNER, **layout)
   # 10 ms steps: a merge (~10 ms here) comes back about one step after its round opened.
-  run = train.build(tiny_config(tmp_path / "decoupled", sync__num_fragments=2, sync__period=2,
-                                sync__overlap=1, learner_step_delays_s=(0.01,), **_IDENTITY,
-                                **_ONE_LEARNER, **layout))
+  run = train.build(tiny_settings(tmp_path / "decoupled", sync__num_fragments=2, sync__period=2,
+                                  sync__overlap=1, learner_step_delays_s=(0.01,), **_IDENTITY,
+                                  **_ONE_LEARNER, **layout))
   if merge_delay_s:
     compute = run.syncer._compute_merge
 
@@ -283,7 +284,7 @@ def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path)
 
 
 def _broken_syncer_run(tmp_path, *, fail_on_merge: int):
-  run = train.build(tiny_config(tmp_path, learner_step_delays_s=(0.02,) * 4))
+  run = train.build(tiny_settings(tmp_path, learner_step_delays_s=(0.02,) * 4))
   compute, calls = run.syncer._compute_merge, []
 
   def failing(p, offers):
@@ -328,12 +329,12 @@ def test_syncer_memory_is_theta_and_the_outer_state_whatever_the_number_of_steps
 
 def test_global_model_is_evaluated_on_a_learners_devices(tmp_path):
   """Issue 15 part 3: never on the syncer's host CPU devices."""
-  run = train.build(tiny_config(tmp_path))
+  run = train.build(tiny_settings(tmp_path))
   evaluated_on = set(run.evaluator.mesh.devices.flat)
   assert evaluated_on == set(run.learners[0].mesh_devices)
   assert not evaluated_on & set(run.syncer.model.mesh.devices.flat)
   run.metrics.close()
-  dp = train.build(tiny_config(tmp_path / "dp", mode="dp"))
+  dp = train.build(tiny_settings(tmp_path / "dp", mode="dp"))
   assert dp.evaluator.mesh.devices.size == 8  # the whole dp learner mesh
   dp.metrics.close()
 
@@ -346,7 +347,7 @@ def test_merges_keep_up_with_one_learner(tmp_path):
   config.update_from_flattened_dict({
       "workdir": str(tmp_path), "num_steps": 96, "eval_every": 0, "eval_batches": 1,
       "num_learners": 1, "devices.num_fake_cpu_devices": 12})
-  summary = train.execute(train.build(config), progress=False)
+  summary = train.execute(train.build(settings.validate(config)), progress=False)
   assert summary["merges_due"] >= 96 - 2
   assert summary["merges_before_flush"] >= 0.95 * summary["merges_due"], (
       summary["merges_before_flush"], summary["merges_due"])
@@ -364,7 +365,7 @@ def test_pulls_are_answered_without_waiting_for_a_step_boundary(tmp_path):
 
 def test_a_run_whose_learners_all_hang_fails_after_the_stall_timeout(tmp_path):
   """Issue 7 risk: execute() had no bound while learners train."""
-  run = train.build(tiny_config(tmp_path, stall_timeout_s=2.0))
+  run = train.build(tiny_settings(tmp_path, stall_timeout_s=2.0))
 
   def hang_at_step_5(learner, step):
     if step == 5:
@@ -383,8 +384,8 @@ def _build_seconds_in_a_fresh_process(tmp_path, **overrides) -> float:
   """train.build's seconds in a new Python process: no compiled program of an earlier build (in
   memory or in the persistent cache) is reused, as for a user starting a run."""
   code = ("import sys, json; sys.path[:0] = ['tests', '.']; import conftest; "
-          "from decoupled_diloco import train; "
-          f"run = train.build(conftest.tiny_config({str(tmp_path)!r}, **{overrides!r})); "
+          "from decoupled_diloco.runtime import train; "
+          f"run = train.build(conftest.tiny_settings({str(tmp_path)!r}, **{overrides!r})); "
           "print(json.dumps(run.build_seconds))")
   out = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True,
                        check=True, timeout=600)

@@ -73,16 +73,19 @@ class LearnerSnapshot:
 
 @dataclasses.dataclass(frozen=True)
 class LearnerOptions:
+  """One learner's share of the run's settings (`train.build` derives it; no defaults here)."""
+
   num_steps: int
-  lock_step: bool = False
-  schedule: schedule_lib.SyncSchedule | None = None  # lock-step modes offer on their own schedule
-  alpha: float = 0.0  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
+  lock_step: bool
+  schedule: schedule_lib.SyncSchedule | None  # lock-step modes offer on their own schedule
+  alpha: float  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
   # On receiving a merge, keep the steps no merge has taken yet: theta <- Theta + (those steps), and
   # the counters keep them. False = the paper's plain overwrite, which drops them.
-  keep_in_flight_progress: bool = False
-  step_delay_s: float = 0.0  # emulated slower hardware
-  log_every: int = 25
-  wait_timeout_s: float = 600.0  # lock-step only: give up waiting for a merge after this long
+  keep_in_flight_progress: bool
+  step_delay_s: float  # emulated slower hardware
+  log_every: int
+  # Lock-step only: give up waiting for a merge after this long (config.stall_timeout_s).
+  wait_timeout_s: float
 
 
 class Learner:
@@ -462,7 +465,7 @@ class Learner:
         if time.monotonic() > deadline:
           raise TimeoutError(
               f"learner {self.index}: merge of fragment {p} did not come back within "
-              f"{self._options.wait_timeout_s}s (lock-step mode)")
+              f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
         self._serve(timeout=0.05)
 
 

@@ -35,13 +35,12 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.runtime import global_model as global_model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime.global_model import MergeOptions
-from decoupled_diloco.settings import SyncSettings
 
 _FLOAT_BYTES = 4
 
@@ -112,14 +111,15 @@ class Syncer:
   def __init__(
       self,
       *,
-      sync: SyncSettings,
+      sync: settings_lib.SyncSettings,
       fragments: Sequence[fragments_lib.Fragment],
       initial_params: Mapping[str, np.ndarray],
       mesh: Mesh,
       outer_tx: optax.GradientTransformation,
-      options: MergeOptions,
+      merge: settings_lib.MergeSettings,
+      compression: settings_lib.CompressionSettings,
       num_learners: int,
-      num_workers: int = 1,
+      num_workers: int,
       metrics: metrics_lib.MetricsWriter | None = None,
   ):
     self._sync = sync
@@ -127,7 +127,7 @@ class Syncer:
     self._metrics = metrics
     self.model = global_model_lib.GlobalModel(
         fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
-        options=options, num_learners=num_learners)
+        merge=merge, compression=compression, num_learners=num_learners)
     self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
     self._live: set[int] = set()
