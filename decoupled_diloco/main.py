@@ -5,6 +5,7 @@ bad field, on the command line or in the file, ends in one line that names it, b
 compiles: it is the user's to fix, and a traceback would only hide the name.
 """
 
+import re
 import sys
 
 from absl import app
@@ -19,6 +20,31 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 flags.mark_flags_as_required(["config"])
 
 
+def _override_names(argv: list[str]) -> list[str]:
+  """The dotted fields that --config.a.b=v (or -config.a.b v, --noconfig.a.b) overrides."""
+  names = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    match = re.match(r"^--?(?:no)?config\.([^=]+)", arg)
+    if match:
+      names.append(match.group(1))
+  return names
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):
+    # ml_collections raises these, naming neither the flag nor the config, for an override of a
+    # field the config does not have.
+    known = settings.config_fields()
+    unknown = [name for name in _override_names(argv) if name not in known]
+    if not unknown:
+      raise
+    sys.exit(f"Invalid config: {settings.unknown_field_error(unknown[0])}")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -30,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import tempfile
 import typing
 from collections.abc import Sequence
 
@@ -271,6 +272,21 @@ def _workdir(config) -> str:
   workdir = _get(config, "workdir")
   if not isinstance(workdir, str) or not workdir:
     _fail("workdir", workdir, "must be a non-empty directory path")
+  if "://" in workdir:
+    # A remote path (gs://bucket/...) is not a local directory: nothing here can probe it.
+    return workdir
+  # The run creates it after set-up; find out now whether it can. The deepest existing part of the
+  # path must be a directory that takes a new entry: os.access is not enough (root may "write" to
+  # /proc, which refuses every mkdir), so a probe directory is made there and removed.
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    _fail("workdir", workdir, f"{existing} is a file, not a directory")
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".workdir_probe_", dir=existing))
+  except OSError as err:
+    _fail("workdir", workdir, f"cannot create a directory in {existing} ({err.strerror})")
   return workdir
 
 

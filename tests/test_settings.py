@@ -153,3 +153,19 @@ def test_model_fields_reach_the_model_config():
   assert (run.model.embed_dim, run.model.num_heads * run.model.head_dim) == (48, 32)
   assert (run.model.dtype, run.model.rope_base, run.model.max_seq_len) == ("bfloat16", 500.0, 64)
 
+
+def test_workdir_under_a_file_is_named(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("", encoding="utf-8")
+  with pytest.raises(ValueError, match=r"config\.workdir='.*a_file/run'.*is a file"):
+    settings.validate(_config(workdir=str(blocker / "run")))
+
+
+def test_remote_workdir_is_not_probed_on_this_host(monkeypatch):
+  def probe(**kwargs):
+    raise AssertionError(f"probed {kwargs['dir']} for a remote workdir")
+
+  monkeypatch.setattr(settings.tempfile, "mkdtemp", probe)
+  assert settings.validate(_config(workdir="gs://bucket/run")).workdir == "gs://bucket/run"
+  with pytest.raises(AssertionError, match="probed"):
+    settings.validate(_config(workdir="local/run"))
