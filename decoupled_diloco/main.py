@@ -1,28 +1,59 @@
 r"""Entry point: python -m decoupled_diloco.main --config=experiments/tiny_cpu.py [--config.a.b=v].
 
-Only parses flags; the run lives in `train.train_and_evaluate`.
+Only parses flags and validates the config; the run lives in `runtime.train.train_and_evaluate`. A
+bad field, on the command line or in the file, ends in one line that names it, before anything
+compiles: it is the user's to fix, and a traceback would only hide the name.
 """
+
+import re
+import sys
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from decoupled_diloco import devices
-from decoupled_diloco import train
+from decoupled_diloco import settings
+from decoupled_diloco.runtime import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
 flags.mark_flags_as_required(["config"])
 
 
+def _override_names(argv: list[str]) -> list[str]:
+  """The dotted fields that --config.a.b=v (or -config.a.b v, --noconfig.a.b) overrides."""
+  names = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    match = re.match(r"^--?(?:no)?config\.([^=]+)", arg)
+    if match:
+      names.append(match.group(1))
+  return names
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):
+    # ml_collections raises these, naming neither the flag nor the config, for an override of a
+    # field the config does not have.
+    known = settings.config_fields()
+    unknown = [name for name in _override_names(argv) if name not in known]
+    if not unknown:
+      raise
+    sys.exit(f"Invalid config: {settings.unknown_field_error(unknown[0])}")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  config = _CONFIG.value
-  # Fake CPU devices must be requested before anything asks JAX for its devices.
-  devices.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
-  train.train_and_evaluate(config)
+  try:
+    run_settings = settings.validate(_CONFIG.value)
+  except ValueError as err:
+    sys.exit(f"Invalid config: {err}")
+  train.train_and_evaluate(run_settings)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

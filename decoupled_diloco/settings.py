@@ -1,27 +1,40 @@
-"""Start-up validation of an experiment config and the effective settings a run uses.
+"""Start-up validation of an experiment config into the one settings tree a run reads.
 
-Every field is checked here, before JAX compiles anything, and every error names the field, its value
-and what is allowed. `validate` also resolves `config.mode` into the effective sync settings: the
-lock-step baselines (diloco, streaming) and data-parallel (dp) run in the same runtime, so their
-differences are spelled out in one place.
+`validate(config)` checks every field before JAX compiles anything, each error naming the field, its
+value and what is allowed, and returns `RunSettings`: frozen and typed, one field per config field
+at the same dotted path (`config.merge.alpha` -> `settings.merge.alpha`). Below the entry point
+nothing reads the raw `ConfigDict`, so no field can skip validation.
+
+Defaults are written once, in the experiment config (experiments/tiny_cpu.py sets every field, with
+a comment; the other experiments start from it). The dataclasses here have no defaults: a field
+missing from a config is an error, not a second default, and a field the tree does not know (a
+misspelt name) is an error naming the closest known fields.
+
+`validate` also resolves `config.mode`: the lock-step baselines (diloco, streaming) and
+data-parallel (dp) run in the same runtime, so their differences are spelled out here, and the tree
+holds the values the run uses (in dp mode one learner, no syncer, no sync settings).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import os
+import tempfile
+import typing
 from collections.abc import Sequence
 
 import ml_collections
 
-from decoupled_diloco import compression
-from decoupled_diloco import data as data_lib
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import inner
-from decoupled_diloco import merge
-from decoupled_diloco import model as model_lib
-from decoupled_diloco import outer
-from decoupled_diloco import schedule as schedule_lib
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import merge
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import schedule as schedule_lib
+from decoupled_diloco.lm import data as data_lib
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import chaos
 from decoupled_diloco.runtime import injector
 
@@ -29,6 +42,21 @@ MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")
 ANCHORS = ("learner", "syncer")
 BROADCAST_FORMATS = ("fp32", "bf16")
+
+# Metadata of a settings field that `validate` computes rather than reads: not a config field.
+_DERIVED = {"derived": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicesSettings:
+  platform: str  # whose devices the learners use: cpu | gpu | tpu
+  num_fake_cpu_devices: int  # host devices requested before JAX starts; 0 = the real devices
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncerSettings:
+  num_devices: int  # CPU devices of the syncer mesh; 0 in dp mode (no syncer)
+  num_workers: int  # threads that run merges of different fragments at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +67,8 @@ class SyncSettings:
   period: int  # H
   overlap: int  # tau
   quorum: int  # K
-  lock_step: bool  # learners wait for each merge (diloco, streaming); never in decoupled mode
+  # Learners wait for each merge (diloco, streaming); never in decoupled mode. From config.mode.
+  lock_step: bool = dataclasses.field(metadata=_DERIVED)
   grace_gamma: float
   grace_cap_s: float
   ema_decay: float
@@ -51,16 +80,47 @@ class SyncSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class MergeSettings:
+  rule: str  # rda | average (the embedding is always averaged)
+  weighting: str  # merge.WEIGHTINGS
+  anchor: str  # learner | syncer: the Theta an outer gradient is taken against
+  alpha: float  # on receive theta <- alpha theta + (1 - alpha) Theta; 0 = overwrite
+  keep_in_flight_progress: bool  # on receive keep the steps no merge has taken
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSettings:
+  name: str  # outer.OPTIMIZERS
+  learning_rate: float
+  momentum: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSettings:
+  outer_grad: str  # learner -> syncer wire format, compression.FORMATS
+  broadcast: str  # syncer -> learner wire format, fp32 | bf16
+  block_size: int  # values per fp32 scale of int8 / int4
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  path: str  # resolved: the bundled corpus when the config says ""
+  seq_len: int
+  batch_size: int  # per learner as configured (dp mode: see RunSettings.learner_batch_size)
+  eval_fraction: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ChaosSettings:
-  """Faults to inject (`runtime/chaos.py` explains the schedule's grammar)."""
+  """Faults to inject (`runtime/chaos.py` gives the schedule's grammar)."""
 
   schedule: str
   mtbf_s: float  # random crashes: mean time between failures per learner; 0 = off
   repair_s: float  # their mean repair time
   repair_shape: float  # Weibull shape of the repair times
   seed: int
-  faults: tuple[chaos.Fault, ...]  # the schedule, parsed
-  random_crashes: chaos.RandomCrashes
+  faults: tuple[chaos.Fault, ...] = dataclasses.field(metadata=_DERIVED)  # the schedule, parsed
+  random_crashes: chaos.RandomCrashes = dataclasses.field(metadata=_DERIVED)
 
   @property
   def enabled(self) -> bool:
@@ -69,42 +129,134 @@ class ChaosSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-  """What a run does, derived from a validated config."""
+  """What a run does: every config field, validated, with the value the run uses."""
 
   mode: str
+  seed: int
+  workdir: str
+  num_steps: int
+  log_every: int
+  eval_every: int
+  eval_batches: int
+  stall_timeout_s: float  # fail when no learner steps (or the flush does not end) for this long
+  max_restarts: int  # per learner; a learner that fails once more stays down
+  devices: DevicesSettings
   num_learners: int  # learners that train (1 in dp mode)
   learner_mesh_shapes: tuple[tuple[int, int], ...]  # (data, model) per learner
-  learner_batch_size: int  # sequences per step of each learner
   learner_step_delays_s: tuple[float, ...]  # per learner
-  syncer_devices: int  # 0 in dp mode: no syncer
-  syncer_workers: int  # threads that run merges of different fragments at once
+  syncer: SyncerSettings
   sync: SyncSettings | None  # None in dp mode
+  merge: MergeSettings
+  outer: OuterSettings
+  compression: CompressionSettings
+  inner: inner.InnerConfig
   model: model_lib.ModelConfig
-  data_path: str
-  stall_timeout_s: float  # fail when no learner steps (or the flush does not end) for this long
+  data: DataSettings
   chaos: ChaosSettings
-  max_restarts: int  # per learner; a learner that fails once more stays down
+  # Sequences per step of each learner: data.batch_size, times num_learners in dp mode.
+  learner_batch_size: int = dataclasses.field(metadata=_DERIVED)
 
   @property
   def learner_devices(self) -> int:
     return sum(d * m for d, m in self.learner_mesh_shapes)
 
 
+def _section_type(hint) -> type | None:
+  """The dataclass behind a field's type (`SyncSettings | None` -> SyncSettings), else None."""
+  for candidate in (hint, *typing.get_args(hint)):
+    if dataclasses.is_dataclass(candidate):
+      return candidate
+  return None
+
+
+@functools.cache
+def _config_fields() -> dict[str, tuple[str, ...]]:
+  """Section (or "" for the top level) -> the config fields in it, read off the settings tree."""
+  hints = typing.get_type_hints(RunSettings)
+  tree: dict[str, tuple[str, ...]] = {"": ()}
+  for field in dataclasses.fields(RunSettings):
+    if field.metadata.get("derived"):
+      continue
+    section = _section_type(hints[field.name])
+    if section is None:
+      tree[""] += (field.name,)
+    else:
+      tree[field.name] = tuple(f.name for f in dataclasses.fields(section)
+                               if not f.metadata.get("derived"))
+  return tree
+
+
+def config_fields() -> tuple[str, ...]:
+  """Every field an experiment config must set, dotted ("sync.quorum")."""
+  return tuple(f"{section}.{name}" if section else name
+               for section, names in _config_fields().items() for name in names)
+
+
+def unknown_field_error(name: str) -> str:
+  """The one-line error for a config field the settings tree does not know."""
+  sections = [s for s in _config_fields() if s]
+  if name in sections:
+    return f"config.{name} must be a section of fields, not a value"
+  # A misspelt name is usually the right section with a wrong leaf (sync.qorum) or a right leaf in
+  # the wrong section (quorum): score each known field by the better of the two comparisons.
+  leaf = name.rsplit(".", 1)[-1]
+
+  def likeness(known: str) -> float:
+    return max(difflib.SequenceMatcher(None, name, known).ratio(),
+               difflib.SequenceMatcher(None, leaf, known.rsplit(".", 1)[-1]).ratio())
+
+  closest = sorted(config_fields(), key=likeness, reverse=True)[:3]
+  return (f"config.{name} is not a config field; the closest known: "
+          f"{', '.join('config.' + c for c in closest)} (experiments/tiny_cpu.py sets them all)")
+
+
+def _given_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  names = []
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      names += _given_fields(value, f"{prefix}{key}.")
+    else:
+      names.append(f"{prefix}{key}")
+  return names
+
+
+def _check_fields(config: ml_collections.ConfigDict) -> None:
+  """Every given field is known and every known field is given: a typo fails here, named."""
+  given = _given_fields(config)
+  known = config_fields()
+  for name in given:
+    if name not in known:
+      raise ValueError(unknown_field_error(name))
+  for name in known:
+    if name not in given:
+      raise ValueError(f"config.{name} is missing from the config (experiments/tiny_cpu.py sets "
+                       f"every field)")
+
+
 def _fail(field: str, value, allowed: str):
   raise ValueError(f"config.{field}={value!r} is invalid: {allowed}")
 
 
-def _check_int(config, field: str, low: int, high: int | None = None) -> int:
+def _get(config, field: str):
+  node = config
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+def _check_int(config, field: str, low: int, high: int | None = None, high_name: str = "") -> int:
+  """`high_name`: the field the upper bound comes from, named in the error with its value."""
   value = _get(config, field)
   if isinstance(value, bool) or not isinstance(value, int):
     _fail(field, value, "must be an integer")
   if value < low or (high is not None and value > high):
-    bound = f"between {low} and {high}" if high is not None else f">= {low}"
+    upper = f"{high_name}={high}" if high_name else f"{high}"
+    bound = f"between {low} and {upper}" if high is not None else f">= {low}"
     _fail(field, value, f"must be {bound}")
   return value
 
 
-def _check_float(config, field, low, high=None, *, high_open=False, low_open=False):
+def _check_float(config, field, low, high=None, *, high_open=False, low_open=False) -> float:
   value = _get(config, field)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     _fail(field, value, "must be a number")
@@ -125,13 +277,38 @@ def _check_choice(config, field: str, allowed: Sequence[str]) -> str:
   return value
 
 
-def _get(config, field: str):
-  node = config
-  for part in field.split("."):
-    if part not in node:
-      raise ValueError(f"config.{field} is missing from the config")
-    node = node[part]
-  return node
+def _check_bool(config, field: str) -> bool:
+  value = _get(config, field)
+  if not isinstance(value, bool):
+    _fail(field, value, "must be True or False")
+  return value
+
+
+def _section(config, name: str) -> dict:
+  """The fields of `config.<name>` as keyword arguments, for a dataclass that checks them."""
+  return {field: config[name][field] for field in _config_fields()[name]}
+
+
+def _workdir(config) -> str:
+  workdir = _get(config, "workdir")
+  if not isinstance(workdir, str) or not workdir:
+    _fail("workdir", workdir, "must be a non-empty directory path")
+  if "://" in workdir:
+    # A remote path (gs://bucket/...) is not a local directory: nothing here can probe it.
+    return workdir
+  # The run creates it after set-up; find out now whether it can. The deepest existing part of the
+  # path must be a directory that takes a new entry: os.access is not enough (root may "write" to
+  # /proc, which refuses every mkdir), so a probe directory is made there and removed.
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    _fail("workdir", workdir, f"{existing} is a file, not a directory")
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".workdir_probe_", dir=existing))
+  except OSError as err:
+    _fail("workdir", workdir, f"cannot create a directory in {existing} ({err.strerror})")
+  return workdir
 
 
 def _mesh_shapes(config, num_learners: int) -> tuple[tuple[int, int], ...]:
@@ -151,11 +328,20 @@ def _mesh_shapes(config, num_learners: int) -> tuple[tuple[int, int], ...]:
   return tuple(parsed)
 
 
+def _step_delays(config, num_learners: int) -> tuple[float, ...]:
+  delays = _get(config, "learner_step_delays_s")
+  if not isinstance(delays, (list, tuple)) or len(delays) not in (0, num_learners) or any(
+      isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0 for d in delays):
+    _fail("learner_step_delays_s", delays,
+          f"must be empty or hold num_learners={num_learners} numbers >= 0")
+  return tuple(float(d) for d in delays) or (0.0,) * num_learners
+
+
 def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   period = _check_int(config, "sync.period", 1)
   num_fragments = _check_int(config, "sync.num_fragments", 1)
   overlap = _check_int(config, "sync.overlap", 0)
-  quorum = _check_int(config, "sync.quorum", 1, num_learners)
+  quorum = _check_int(config, "sync.quorum", 1, num_learners, "config.num_learners")
   grace_gamma = _check_float(config, "sync.grace_gamma", 0.0, 1.0, high_open=True)
   grace_cap_s = _check_float(config, "sync.grace_cap_s", 0.0)
   ema_decay = _check_float(config, "sync.ema_decay", 0.0, 1.0, high_open=True)
@@ -170,8 +356,9 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
     quorum, lock_step, grace_gamma = num_learners, True, 0.0
   # The schedule validates P, H and tau against each other and names the fields.
   schedule_lib.SyncSchedule(num_fragments, period, overlap)
-  return SyncSettings(num_fragments, period, overlap, quorum, lock_step, grace_gamma, grace_cap_s,
-                      ema_decay, fragmentation)
+  return SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
+                      lock_step=lock_step, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
+                      ema_decay=ema_decay, fragmentation=fragmentation)
 
 
 def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
@@ -188,64 +375,66 @@ def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
           f"{', '.join(unsupported)} faults are not injected by this runtime yet (issue #9); it "
           f"injects {', '.join(injector.INJECTED_KINDS)}")
   if (faults or random_crashes.enabled) and mode != "decoupled":
-    _fail("chaos.schedule" if faults else "chaos.mtbf_s", schedule if faults else
-          random_crashes.mtbf_s,
-          f"faults are injected in config.mode='decoupled' only for now (mode={mode!r}): the "
-          "dp and lock-step answers need whole-job checkpoints (issue #9)")
+    field, value = ("chaos.schedule", schedule) if faults else ("chaos.mtbf_s",
+                                                               random_crashes.mtbf_s)
+    _fail(field, value, f"faults are injected in config.mode='decoupled' only for now "
+                        f"(mode={mode!r}): the dp and lock-step answers need whole-job "
+                        "checkpoints (issue #9)")
   return ChaosSettings(schedule, random_crashes.mtbf_s, random_crashes.repair_s,
                        random_crashes.repair_shape, random_crashes.seed, faults, random_crashes)
 
 
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
-  """Checks every field of `config`; returns the effective settings or raises ValueError."""
+  """Checks every field of `config`; returns the settings tree or raises ValueError."""
+  _check_fields(config)
   mode = _check_choice(config, "mode", MODES)
-  _check_int(config, "seed", 0)
-  if not isinstance(_get(config, "workdir"), str) or not config.workdir:
-    _fail("workdir", config.workdir, "must be a non-empty directory path")
+  seed = _check_int(config, "seed", 0)
+  workdir = _workdir(config)
   num_steps = _check_int(config, "num_steps", 1)
   stall_timeout_s = _check_float(config, "stall_timeout_s", 0.0, low_open=True)
-  _check_int(config, "log_every", 1)
-  _check_int(config, "eval_every", 0)
-  _check_int(config, "eval_batches", 1)
-  _check_choice(config, "devices.platform", PLATFORMS)
-  _check_int(config, "devices.num_fake_cpu_devices", 0)
+  log_every = _check_int(config, "log_every", 1)
+  eval_every = _check_int(config, "eval_every", 0)
+  eval_batches = _check_int(config, "eval_batches", 1)
+  devices = DevicesSettings(
+      platform=_check_choice(config, "devices.platform", PLATFORMS),
+      num_fake_cpu_devices=_check_int(config, "devices.num_fake_cpu_devices", 0))
 
   num_learners = _check_int(config, "num_learners", 1)
   mesh_shapes = _mesh_shapes(config, num_learners)
-  delays = _get(config, "learner_step_delays_s")
-  if not isinstance(delays, (list, tuple)) or len(delays) not in (0, num_learners) or any(
-      isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0 for d in delays):
-    _fail("learner_step_delays_s", delays,
-          f"must be empty or hold num_learners={num_learners} numbers >= 0")
-  delays = tuple(float(d) for d in delays) or (0.0,) * num_learners
-  syncer_devices = _check_int(config, "syncer.num_devices", 1)
-  syncer_workers = _check_int(config, "syncer.num_workers", 1)
+  delays = _step_delays(config, num_learners)
+  syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
+                          num_workers=_check_int(config, "syncer.num_workers", 1))
 
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners)
   max_restarts = _check_int(config, "max_restarts", 0)
-  _check_choice(config, "merge.rule", merge.MERGE_RULES)
-  _check_choice(config, "merge.weighting", merge.WEIGHTINGS)
-  _check_choice(config, "merge.anchor", ANCHORS)
-  _check_float(config, "merge.alpha", 0.0, 1.0, high_open=True)
-  if not isinstance(_get(config, "merge.keep_in_flight_progress"), bool):
-    _fail("merge.keep_in_flight_progress", config.merge.keep_in_flight_progress,
-          "must be True or False")
-  # The factories check their own fields and name them.
-  outer.make_outer_optimizer(config.outer.name, config.outer.learning_rate, config.outer.momentum)
-  _check_choice(config, "compression.outer_grad", compression.FORMATS)
-  _check_choice(config, "compression.broadcast", BROADCAST_FORMATS)
-  _check_int(config, "compression.block_size", 1)
-  inner.make_inner_optimizer(config.inner, num_steps)
-  model_cfg = model_lib.ModelConfig.from_config(config.model)
+  merge_settings = MergeSettings(
+      rule=_check_choice(config, "merge.rule", merge.MERGE_RULES),
+      weighting=_check_choice(config, "merge.weighting", merge.WEIGHTINGS),
+      anchor=_check_choice(config, "merge.anchor", ANCHORS),
+      alpha=_check_float(config, "merge.alpha", 0.0, 1.0, high_open=True),
+      keep_in_flight_progress=_check_bool(config, "merge.keep_in_flight_progress"))
+  outer_settings = OuterSettings(
+      name=_check_choice(config, "outer.name", outer.OPTIMIZERS),
+      learning_rate=_check_float(config, "outer.learning_rate", 0.0, low_open=True),
+      momentum=_check_float(config, "outer.momentum", 0.0, 1.0, high_open=True))
+  compression_settings = CompressionSettings(
+      outer_grad=_check_choice(config, "compression.outer_grad", compression.FORMATS),
+      broadcast=_check_choice(config, "compression.broadcast", BROADCAST_FORMATS),
+      block_size=_check_int(config, "compression.block_size", 1))
+  # The lm's dataclasses check their own fields and name them; the schedule checks the warmup
+  # against num_steps.
+  inner_cfg = inner.InnerConfig(**_section(config, "inner"))
+  inner.make_inner_optimizer(inner_cfg, num_steps)
+  model_cfg = model_lib.ModelConfig(**_section(config, "model"))
 
-  if model_cfg.attention == "cudnn" and _get(config, "devices.platform") != "gpu":
+  if model_cfg.attention == "cudnn" and devices.platform != "gpu":
     _fail("model.attention", model_cfg.attention,
           "needs config.devices.platform='gpu' (cuDNN flash attention has no CPU or TPU kernel)")
 
   seq_len = _check_int(config, "data.seq_len", 1)
   batch_size = _check_int(config, "data.batch_size", 1)
-  _check_float(config, "data.eval_fraction", 0.0, 0.5, low_open=True)
+  eval_fraction = _check_float(config, "data.eval_fraction", 0.0, 0.5, low_open=True)
   if seq_len > model_cfg.max_seq_len:
     _fail("data.seq_len", seq_len, f"must be <= config.model.max_seq_len={model_cfg.max_seq_len}")
   if model_cfg.vocab_size < 256:
@@ -258,39 +447,35 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     _fail("data.path", path, "no such file")
   if os.path.getsize(path) == 0:
     _fail("data.path", path, "the file is empty")
+  data = DataSettings(path=path, seq_len=seq_len, batch_size=batch_size,
+                      eval_fraction=eval_fraction)
 
+  learner_batch_size = batch_size
   if mode == "dp":
     # One synchronous learner over every learner device, consuming what all M learners would.
     model_axis = mesh_shapes[0][1]
     total = sum(d * m for d, m in mesh_shapes)
     mesh_shapes = ((total // model_axis, model_axis),)
-    batch_size *= num_learners
+    learner_batch_size *= num_learners
     delays = (0.0,)
-    num_learners, syncer_devices, sync = 1, 0, None
+    num_learners, sync = 1, None
+    syncer = dataclasses.replace(syncer, num_devices=0)
 
   for index, (data_axis, _) in enumerate(mesh_shapes):
-    if batch_size % data_axis:
-      _fail("data.batch_size", config.data.batch_size,
-            f"the batch of learner {index} ({batch_size} sequences) must divide evenly over its "
-            f"data axis of {data_axis} devices (config.learner_mesh_shapes)")
+    if learner_batch_size % data_axis:
+      _fail("data.batch_size", batch_size,
+            f"the batch of learner {index} ({learner_batch_size} sequences) must divide evenly "
+            f"over its data axis of {data_axis} devices (config.learner_mesh_shapes)")
 
   if sync is not None:
-    # Partitioning needs only shapes: a P larger than the model's tensor count fails here, not later.
+    # Partitioning needs only shapes: a P above the model's tensor count fails here, not later.
     fragments_lib.partition(model_lib.param_shapes(model_cfg), sync.num_fragments,
                             sync.fragmentation, embedding_names=(model_lib.EMBEDDING_NAME,))
 
   return RunSettings(
-      mode=mode,
-      num_learners=num_learners,
-      learner_mesh_shapes=mesh_shapes,
-      learner_batch_size=batch_size,
-      learner_step_delays_s=delays,
-      syncer_devices=syncer_devices,
-      syncer_workers=syncer_workers,
-      sync=sync,
-      model=model_cfg,
-      data_path=path,
-      stall_timeout_s=stall_timeout_s,
-      chaos=chaos_settings,
-      max_restarts=max_restarts,
-  )
+      mode=mode, seed=seed, workdir=workdir, num_steps=num_steps, log_every=log_every,
+      eval_every=eval_every, eval_batches=eval_batches, stall_timeout_s=stall_timeout_s,
+      max_restarts=max_restarts, devices=devices, num_learners=num_learners, learner_mesh_shapes=mesh_shapes,
+      learner_step_delays_s=delays, syncer=syncer, sync=sync, merge=merge_settings,
+      outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
+      data=data, chaos=chaos_settings, learner_batch_size=learner_batch_size)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
-from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 from decoupled_diloco.sim import bandwidth
 from experiments import tiny_cpu
 
@@ -43,7 +43,8 @@ def main(argv):
   del argv
   config = tiny_cpu.get_config()
   devices.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
-  from decoupled_diloco import train  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco import settings  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import train
   start = time.perf_counter()
   rows = []
   for fmt in _FORMATS.value:
@@ -53,7 +54,7 @@ def main(argv):
     config.compression.outer_grad = fmt
     config.compression.broadcast = _BROADCAST
     config.workdir = f"/tmp/bench_bandwidth/{fmt}"
-    run = train.build(config)
+    run = train.build(settings.validate(config))
     summary = train.execute(run, progress=False)
     steps = sum(summary["learner_steps"])
     n, params = summary["num_learners"], summary["num_params"]

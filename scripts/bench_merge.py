@@ -13,10 +13,12 @@ syncer is CPU-only by design.
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -42,15 +44,21 @@ def main():
 
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh
-  from decoupled_diloco import fragments as fragments_lib
-  from decoupled_diloco import global_model
-  from decoupled_diloco import messages
-  from decoupled_diloco import model as model_lib
-  from decoupled_diloco import outer
+  from decoupled_diloco import settings
+  from decoupled_diloco.algorithm import fragments as fragments_lib
+  from decoupled_diloco.algorithm import outer
+  from decoupled_diloco.lm import model as model_lib
+  from decoupled_diloco.runtime import global_model
+  from decoupled_diloco.runtime import messages
+  from experiments import tiny_cpu
 
-  cfg = model_lib.ModelConfig(embed_dim=args.embed_dim, num_layers=args.num_layers,
-                              num_heads=args.num_heads, head_dim=args.head_dim,
-                              mlp_dim=args.mlp_dim, max_seq_len=1024)
+  # The default experiment's settings, with this model's shape and the wire formats asked for.
+  config = tiny_cpu.get_config()
+  config.workdir = tempfile.gettempdir()  # nothing is written there: the report goes to --out
+  defaults = settings.validate(config)
+  cfg = dataclasses.replace(defaults.model, embed_dim=args.embed_dim, num_layers=args.num_layers,
+                            num_heads=args.num_heads, head_dim=args.head_dim,
+                            mlp_dim=args.mlp_dim, max_seq_len=1024)
   shapes = model_lib.param_shapes(cfg)
   num_params = model_lib.num_params(shapes)
   fragments = fragments_lib.partition(shapes, args.fragments, "balanced",
@@ -60,9 +68,11 @@ def main():
   model = global_model.GlobalModel(
       fragments=fragments, initial_params=initial,
       mesh=Mesh(np.array(jax.devices("cpu")[:1]), ("learner",)),
-      outer_tx=outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.6),
-      options=global_model.MergeOptions(outer_grad_format=args.outer_grad,
-                                        broadcast_format=args.broadcast),
+      outer_tx=outer.make_outer_optimizer(defaults.outer.name, defaults.outer.learning_rate,
+                                          defaults.outer.momentum),
+      merge=defaults.merge,
+      compression=dataclasses.replace(defaults.compression, outer_grad=args.outer_grad,
+                                      broadcast=args.broadcast),
       num_learners=args.learners)
   compile_s = model.compile()
 

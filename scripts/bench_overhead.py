@@ -20,7 +20,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 
-from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 from experiments import tiny_cpu
 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Pairs of runs (no syncer, syncer).")
@@ -42,7 +42,8 @@ def main(argv):
   config.eval_every = 0
   config.log_every = 10_000
   devices.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
-  from decoupled_diloco import train  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco import settings  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import train
   import jax  # pylint: disable=g-import-not-at-top
   cache = os.path.join("/tmp", "decoupled_diloco_jax_cache")
   jax.config.update("jax_compilation_cache_dir", cache)
@@ -53,7 +54,7 @@ def main(argv):
   for rep in range(_REPEATS.value):
     for variant in ("no_syncer", "syncer"):
       config.workdir = f"/tmp/bench_overhead/{variant}_{rep}"
-      run = train.build(config, with_syncer=variant == "syncer")
+      run = train.build(settings.validate(config), with_syncer=variant == "syncer")
       summary = train.execute(run, progress=False)
       rates[variant].append(_steps_per_s(run, _WARMUP.value))
       if variant == "syncer":

@@ -21,7 +21,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
-from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "tiny_cpu.py"),
@@ -44,11 +44,12 @@ def main(argv):
   del argv
   base = _CONFIG.value
   devices.request_fake_cpu_devices(base.devices.num_fake_cpu_devices)
-  from decoupled_diloco import data  # pylint: disable=g-import-not-at-top
   from decoupled_diloco import settings
-  from decoupled_diloco import train
-  path = settings.validate(base).data_path
-  train_tokens, eval_tokens = data.split_tokens(data.load_tokens(path), base.data.eval_fraction)
+  from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import train
+  data_settings = settings.validate(base).data
+  train_tokens, eval_tokens = data.split_tokens(data.load_tokens(data_settings.path),
+                                                data_settings.eval_fraction)
   bigram = data.bigram_entropy(train_tokens, eval_tokens)
   unigram = data.unigram_entropy(eval_tokens)
   results = {}
@@ -60,7 +61,7 @@ def main(argv):
     config.num_steps = _NUM_STEPS.value
     config.eval_every = 0
     config.workdir = f"/tmp/bench_quality/{mode}"
-    summary = train.train_and_evaluate(config)
+    summary = train.train_and_evaluate(settings.validate(config))
     results[mode] = {k: summary[k] for k in (
         "final_eval_loss", "tokens_trained", "wall_seconds", "merges", "learner_steps",
         "bytes_learner_syncer")}

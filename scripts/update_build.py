@@ -81,7 +81,7 @@ def render() -> str:
       "",
       'package(default_visibility = ["//visibility:public"])',
       "",
-      'filegroup(name = "corpora", srcs = glob(["decoupled_diloco/corpora/*.txt"]))',
+      'filegroup(name = "corpora", srcs = glob(["decoupled_diloco/lm/corpora/*.txt"]))',
       "",
   ]
   for path in files("decoupled_diloco/**/*.py") + files("experiments/*.py"):

@@ -1,5 +1,7 @@
 """Test-wide set-up: fake CPU devices must be requested before JAX initialises."""
 
+import dataclasses
+import functools
 import os
 
 # 4 learners x 2 devices + 4 syncer shards, the layout of experiments/tiny_cpu.py.
@@ -11,11 +13,39 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def tiny_config(workdir, **overrides):
-  """experiments/tiny_cpu.py shrunk to a model and run that train in seconds on 2 cores.
+def default_settings(section=None, **overrides):
+  """experiments/tiny_cpu.py validated, or one `section` of it, with `overrides` replaced.
 
-  `overrides` use dotted field names with '__' for '.', e.g. sync__quorum=2.
+  The defaults are written once, in the experiment; a test names only the fields it is about:
+  `default_settings("model", num_layers=2)` is the default ModelConfig with two layers, and
+  `default_settings()` the whole RunSettings. A replaced field is checked as its dataclass checks
+  it.
   """
+  tree = _default_settings()
+  if section is not None:
+    tree = getattr(tree, section)
+  return dataclasses.replace(tree, **overrides)
+
+
+@functools.cache
+def _default_settings():
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  from decoupled_diloco import settings  # pylint: disable=g-import-not-at-top
+  from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
+
+  config = tiny_cpu.get_config()
+  config.workdir = tempfile.gettempdir()  # the experiment's relative workdir depends on the cwd
+  return settings.validate(config)
+
+
+def tiny_settings(workdir, **overrides):
+  """experiments/tiny_cpu.py shrunk to a model and run that train in seconds on 2 cores, validated.
+
+  `overrides` use dotted field names with '__' for '.', e.g. sync__quorum=2. They go through
+  `settings.validate`, as a command-line override would.
+  """
+  from decoupled_diloco import settings  # pylint: disable=g-import-not-at-top
   from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
 
   config = tiny_cpu.get_config()
@@ -38,7 +68,7 @@ def tiny_config(workdir, **overrides):
   config.sync.overlap = 1
   config.inner.warmup_steps = 4
   config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
-  return config
+  return settings.validate(config)
 
 
 def pytest_configure(config):

@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.compression: wire formats of outer gradients (spec §5)."""
+"""Tests for decoupled_diloco.algorithm.compression: wire formats of outer gradients (spec §5)."""
 
 import math
 
@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from decoupled_diloco import compression as comp
+from decoupled_diloco.algorithm import compression as comp
 
 
 def _random(shape, seed=0, scale=1.0):
@@ -26,7 +26,7 @@ def _block_scales(x, qmax, block_size):
 
 def test_fp32_round_trip_is_exact():
   x = _random((7, 13))
-  y = comp.decode(comp.encode(x, "fp32"))
+  y = comp.decode(comp.encode(x, "fp32", 64))
   assert y.dtype == np.float32 and y.shape == x.shape
   np.testing.assert_array_equal(y, x)
 
@@ -34,7 +34,7 @@ def test_fp32_round_trip_is_exact():
 def test_bf16_relative_error_is_at_most_2_to_the_minus_8():
   # bfloat16 keeps 8 significant bits: round to nearest is within half an ulp, 2^-8 relative.
   x = _random((1000,), seed=1)
-  y = comp.decode(comp.encode(x, "bf16"))
+  y = comp.decode(comp.encode(x, "bf16", 64))
   assert y.dtype == np.float32
   assert np.all(np.abs(y - x) <= 2.0**-8 * np.abs(x))
   assert not np.array_equal(y, x)  # it did round
@@ -70,7 +70,7 @@ def test_int_keeps_the_largest_value_of_each_block(fmt):
 @pytest.mark.parametrize("shape", [(), (1,), (3, 5, 7), (65,), (0,)])
 def test_zeros_round_trip_to_zeros_exactly(fmt, shape):
   x = np.zeros(shape, np.float32)
-  y = comp.decode(comp.encode(x, fmt))
+  y = comp.decode(comp.encode(x, fmt, 64))
   assert y.shape == shape and y.dtype == np.float32
   np.testing.assert_array_equal(y, x)
 
@@ -124,7 +124,7 @@ def test_odd_sizes_and_scalars_keep_their_shape(fmt, shape):
 def test_int4_packs_two_offset_values_per_byte():
   # x = [7, -7, 0] in one block: scale 1, q = [7, -7, 0], stored +8 as nibbles [15, 1, 8] plus a
   # padding 8; low nibble first: bytes [15 | 1 << 4, 8 | 8 << 4] = [31, 136].
-  enc = comp.encode(np.array([7.0, -7.0, 0.0], np.float32), "int4")
+  enc = comp.encode(np.array([7.0, -7.0, 0.0], np.float32), "int4", 64)
   np.testing.assert_array_equal(enc.payload[0], np.array([31, 136], np.uint8))
   np.testing.assert_array_equal(enc.payload[1], np.array([1.0], np.float32))
   np.testing.assert_array_equal(comp.decode(enc), [7.0, -7.0, 0.0])
@@ -148,21 +148,22 @@ def test_tree_round_trip():
 
 def test_bf16_input_is_accepted():
   x = np.array([1.5, -2.0], ml_dtypes.bfloat16)
-  np.testing.assert_array_equal(comp.decode(comp.encode(x, "fp32")), [1.5, -2.0])
+  np.testing.assert_array_equal(comp.decode(comp.encode(x, "fp32", 64)), [1.5, -2.0])
   # int8: scale 2/127; 1.5 / scale = 95.25 rounds to 95, which decodes to 190/127.
-  np.testing.assert_allclose(comp.decode(comp.encode(x, "int8")), [190 / 127, -2.0], rtol=1e-6)
+  np.testing.assert_allclose(comp.decode(comp.encode(x, "int8", 64)), [190 / 127, -2.0],
+                             rtol=1e-6)
 
 
 def test_non_finite_values_are_refused_by_int_formats():
   with pytest.raises(ValueError, match="non-finite"):
-    comp.encode(np.array([1.0, np.inf], np.float32), "int4")
+    comp.encode(np.array([1.0, np.inf], np.float32), "int4", 64)
 
 
 def test_bad_settings_name_the_config_field():
   with pytest.raises(ValueError, match=r"'int2'.*config\.compression\.outer_grad.*'int4'"):
-    comp.encode(np.zeros(3), "int2")
+    comp.encode(np.zeros(3), "int2", 64)
   with pytest.raises(ValueError, match=r"'fp32', 'bf16', 'int8', 'int4'"):
-    comp.encoded_nbytes(3, "int2")
+    comp.encoded_nbytes(3, "int2", 64)
   for block_size in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match=r"config\.compression\.block_size"):
       comp.encode(np.zeros(3), "int8", block_size)

@@ -1,11 +1,11 @@
-"""Tests of decoupled_diloco.data: byte tokens, packed windows, learner shards, grain state."""
+"""Tests of decoupled_diloco.lm.data: byte tokens, packed windows, learner shards, grain state."""
 
 import math
 
 import numpy as np
 import pytest
 
-from decoupled_diloco import data
+from decoupled_diloco.lm import data
 
 SEQ_LEN = 16
 WINDOW = SEQ_LEN + 1

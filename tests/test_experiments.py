@@ -37,13 +37,15 @@ def test_experiment_config_is_valid(path):
 _BUILD_MESHES = r"""
 import json, sys
 sys.path.insert(0, {root!r})
-from decoupled_diloco import devices, settings
+from decoupled_diloco import settings
+from decoupled_diloco.runtime import devices
 import importlib.util
 spec = importlib.util.spec_from_file_location("cfg", {path!r})
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
 config = module.get_config()
 run = settings.validate(config)
-learner_meshes, syncer_mesh = devices.build_meshes(run.learner_mesh_shapes, run.syncer_devices, "cpu")
+learner_meshes, syncer_mesh = devices.build_meshes(run.learner_mesh_shapes, run.syncer.num_devices,
+                                                   "cpu")
 seen = [d.id for m in learner_meshes for d in m.devices.flat]
 print(json.dumps({{"shapes": [list(m.devices.shape) for m in learner_meshes],
                   "axes": list(learner_meshes[0].axis_names), "distinct": len(set(seen)) == len(seen),
@@ -69,6 +71,6 @@ def test_tpu_reference_config_builds_its_learner_meshes(name, num_devices, shape
 
 
 def test_too_few_devices_is_a_clear_error():
-  from decoupled_diloco import devices  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="need 40 cpu devices"):
     devices.build_meshes(((4, 2),) * 5, 0, "cpu")

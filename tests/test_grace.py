@@ -2,7 +2,7 @@
 
 import pytest
 
-from decoupled_diloco import grace
+from decoupled_diloco.algorithm import grace
 
 
 def test_grace_is_gamma_times_the_overlap_slack():

@@ -10,19 +10,19 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from decoupled_diloco import compression
-from decoupled_diloco import learner as learner_lib
-from decoupled_diloco import messages
-from decoupled_diloco import train
+from conftest import tiny_settings
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import train
 
 P = 1  # the fragment the tests sync
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-  run = train.build(tiny_config(tmp_path_factory.mktemp("learner"), num_learners=1,
-                                learner_mesh_shapes=((2, 1),)))
+  run = train.build(tiny_settings(tmp_path_factory.mktemp("learner"), num_learners=1,
+                                  learner_mesh_shapes=((2, 1),)))
   yield run
   run.metrics.close()
 
@@ -64,7 +64,7 @@ def _set(learner, run, value, *, step, steps, anchor=None):
 def _broadcast(run, value, version, merged_offers):
   shapes = {n: v.shape for n, v in run.syncer.model.fragment_params(P).items()}
   theta = {n: np.full(shapes[n], value, np.float32) for n in _names(run)}
-  return messages.Broadcast(P, version, compression.encode_tree(theta, "fp32"), merged_offers)
+  return messages.Broadcast(P, version, compression.encode_tree(theta, "fp32", 64), merged_offers)
 
 
 def _values(learner, run):

@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.merge: learner weights, weighted average and RDA (spec §5)."""
+"""Tests for algorithm.merge: learner weights, weighted average and RDA (spec §5)."""
 
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decoupled_diloco import merge
+from decoupled_diloco.algorithm import merge
 
 # The hand-worked case used throughout: two learners, one 2-vector tensor.
 #   Δ1 = [3, 4], ‖Δ1‖ = 5, φ(Δ1) = [0.6, 0.8];  Δ2 = [0, 2], ‖Δ2‖ = 2, φ(Δ2) = [0, 1];  w = (1, 3).
@@ -148,7 +148,8 @@ def test_learner_weights_are_tokens_squared_over_steps():
   tokens = [100, 200, 50, 0]
   steps = [4, 2, 0, 3]  # learner 2 never stepped, learner 3 saw no tokens
   # 100²/4 = 2500; 200²/2 = 20000 (twice the tokens, at 100 per step instead of 25: 8x); 0; 0.
-  np.testing.assert_allclose(merge.learner_weights(tokens, steps), [2500.0, 20000.0, 0.0, 0.0])
+  np.testing.assert_allclose(merge.learner_weights(tokens, steps, "tokens_sq_over_steps"),
+                             [2500.0, 20000.0, 0.0, 0.0])
   np.testing.assert_allclose(merge.learner_weights(tokens, steps, "tokens"), [100, 200, 0, 0])
   np.testing.assert_allclose(merge.learner_weights(tokens, steps, "uniform"), [1, 1, 0, 1])
 
@@ -156,7 +157,7 @@ def test_learner_weights_are_tokens_squared_over_steps():
 def test_learner_weights_are_float32_and_finite_for_large_counts():
   # 2^30 tokens over one step: the weight 2^60 fits float32 even though it is formed without
   # squaring first.
-  w = merge.learner_weights([2**30], [1])
+  w = merge.learner_weights([2**30], [1], "tokens_sq_over_steps")
   assert w.dtype == jnp.float32
   assert float(w[0]) == pytest.approx(2.0**60, rel=1e-6)
 
@@ -166,7 +167,7 @@ def test_merge_fragment_averages_the_embedding_and_uses_rda_elsewhere():
       "embedder/embedding": _stack(DELTA1, DELTA2),
       "layers/0/mlp/kernel": _stack(DELTA1, DELTA2),
   }
-  merged = merge.merge_fragment(deltas, W, average_names={"embedder/embedding"})
+  merged = merge.merge_fragment(deltas, W, "rda", average_names={"embedder/embedding"})
   np.testing.assert_allclose(merged["embedder/embedding"], AVERAGE, rtol=1e-6)
   np.testing.assert_allclose(merged["layers/0/mlp/kernel"], RDA, rtol=1e-6)
 
@@ -179,9 +180,8 @@ def test_merge_works_under_jit_and_in_float32():
       "embedder/embedding": _stack(DELTA1, DELTA2).astype(jnp.bfloat16),
       "layers/0/mlp/kernel": _stack(DELTA1, DELTA2).astype(jnp.bfloat16),
   }
-  merge_jit = jax.jit(
-      lambda d, w: merge.merge_fragment(d, w, average_names=frozenset({"embedder/embedding"}))
-  )
+  merge_jit = jax.jit(lambda d, w: merge.merge_fragment(
+      d, w, "rda", average_names=frozenset({"embedder/embedding"})))
   merged = merge_jit(deltas, jnp.asarray(W))
   assert all(x.dtype == jnp.float32 for x in merged.values())
   # [3, 4] and [0, 2] are exact in bfloat16, so the hand values hold.

@@ -1,4 +1,4 @@
-"""Tests of decoupled_diloco.model: shapes, causality, sharding rules, flat names, config errors,
+"""Tests of decoupled_diloco.lm.model: shapes, causality, sharding rules, flat names, config errors,
 scanned vs unrolled blocks, and start-up programs that do not grow with depth."""
 
 import dataclasses
@@ -8,18 +8,16 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from decoupled_diloco import model
+from conftest import default_settings
+from decoupled_diloco.lm import model
 
-TINY = model.ModelConfig(
-    vocab_size=256, embed_dim=32, num_layers=2, num_heads=2, head_dim=16, mlp_dim=64,
-    max_seq_len=16,
-)
+TINY = default_settings("model", embed_dim=32, num_layers=2, num_heads=2, head_dim=16, mlp_dim=64,
+                        max_seq_len=16)
 
 
 def _mesh(data: int, tensor: int) -> Mesh:
@@ -182,22 +180,21 @@ def _expected_count(v, d, layers, heads, head_dim, mlp):
   return v * d + layers * (attention + gated_mlp + 2 * d) + d
 
 
-def test_parameter_counts_of_default_and_small_configs():
-  default = model.param_shapes(model.ModelConfig())
-  assert model.num_params(default) == _expected_count(256, 128, 4, 4, 32, 512) == 1_082_496
-  small = model.ModelConfig(embed_dim=64, num_layers=4, num_heads=4, head_dim=16, mlp_dim=192)
+def test_parameter_counts_of_two_configs_by_hand():
+  wide = dataclasses.replace(TINY, embed_dim=128, num_layers=4, num_heads=4, head_dim=32,
+                             mlp_dim=512)
+  assert model.num_params(model.param_shapes(wide)) == _expected_count(256, 128, 4, 4, 32, 512)
+  assert model.num_params(model.param_shapes(wide)) == 1_082_496
+  small = dataclasses.replace(TINY, embed_dim=64, num_layers=4, num_heads=4, head_dim=16,
+                              mlp_dim=192)
   assert model.num_params(model.param_shapes(small)) == _expected_count(256, 64, 4, 4, 16, 192)
   assert abs(model.num_params(model.param_shapes(small)) - 230_000) < 1_000
 
 
-def test_from_config_reads_fields_and_allows_head_width_unlike_embed_dim():
-  cfg = ml_collections.ConfigDict(dict(
-      vocab_size=256, embed_dim=48, num_layers=2, num_heads=2, head_dim=16, mlp_dim=96,
-      max_seq_len=64, dtype="bfloat16", rope_base=500.0,
-  ))
-  mc = model.ModelConfig.from_config(cfg)
+def test_head_width_may_differ_from_embed_dim():
+  mc = dataclasses.replace(TINY, embed_dim=48, num_heads=2, head_dim=16, dtype="bfloat16")
   assert (mc.embed_dim, mc.num_heads * mc.head_dim, mc.dtype) == (48, 32, "bfloat16")
-  assert mc.mlp_activation == "gelu"  # Absent field keeps its default.
+  assert model.param_shapes(mc)["layers/0/attn/q_proj/kernel"].shape == (48, 2, 16)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -205,14 +202,9 @@ def test_from_config_reads_fields_and_allows_head_width_unlike_embed_dim():
     ("rope_base", 0.5), ("mlp_activation", "relu"), ("num_layers", 2.0),
     ("scan_layers", 1), ("attention", "flash"),
 ])
-def test_from_config_errors_name_the_field(field, value):
+def test_bad_fields_name_the_config_field(field, value):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
-    model.ModelConfig.from_config(ml_collections.ConfigDict({field: value}))
-
-
-def test_from_config_rejects_unknown_fields():
-  with pytest.raises(ValueError, match=r"config\.model\.num_head "):
-    model.ModelConfig.from_config(ml_collections.ConfigDict({"num_head": 4}))
+    dataclasses.replace(TINY, **{field: value})
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -221,7 +213,7 @@ def test_from_config_rejects_unknown_fields():
 ])
 def test_cudnn_attention_rejects_what_flash_attention_cannot_run(fields, named):
   with pytest.raises(ValueError, match=named):
-    model.ModelConfig(attention="cudnn", **fields)
+    dataclasses.replace(TINY, attention="cudnn", **fields)
 
 
 def test_attention_implementation_reaches_dot_product_attention(monkeypatch):

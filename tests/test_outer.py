@@ -1,11 +1,11 @@
-"""Tests for decoupled_diloco.outer: Θ_p ← OuterOpt(Θ_p, Δ) (spec §5)."""
+"""Tests for decoupled_diloco.algorithm.outer: Θ_p ← OuterOpt(Θ_p, Δ) (spec §5)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decoupled_diloco import merge, outer
+from decoupled_diloco.algorithm import merge, outer
 
 
 def _run(tx, theta, deltas):
@@ -21,7 +21,7 @@ def test_sgd_lr_one_without_momentum_adopts_the_learner_params():
   local = {"w": jnp.asarray([1.5, -2.25, 0.0]), "b": jnp.asarray(-1.0)}
   delta = merge.outer_gradient(theta, local)
   # The same through the merge of a single learner (any weight).
-  delta = merge.merge_fragment({k: v[None] for k, v in delta.items()}, jnp.asarray([4.0]))
+  delta = merge.merge_fragment({k: v[None] for k, v in delta.items()}, jnp.asarray([4.0]), "rda")
   tx = outer.make_outer_optimizer("sgd", learning_rate=1.0, momentum=0.0)
   new_theta = _run(tx, theta, [delta])
   for name in theta:
@@ -45,9 +45,9 @@ def test_nesterov_momentum_over_two_steps_by_hand():
   np.testing.assert_allclose(theta["w"], [1.3815, -4.2295], rtol=1e-6)
 
 
-def test_the_defaults_are_diloco_nesterov_07_09():
+def test_diloco_nesterov_07_09_by_hand():
   # One step from Θ = 0 with Δ = 1: Θ1 = -0.7 · (1 + 0.9 · 1) = -1.33.
-  tx = outer.make_outer_optimizer()
+  tx = outer.make_outer_optimizer("sgd_nesterov", learning_rate=0.7, momentum=0.9)
   np.testing.assert_allclose(_run(tx, jnp.zeros(2), [jnp.ones(2)]), [-1.33, -1.33], rtol=1e-6)
 
 
@@ -66,7 +66,7 @@ def test_adam_first_step_moves_each_parameter_by_the_learning_rate():
 
 
 def test_outer_step_is_jittable():
-  tx = outer.make_outer_optimizer()
+  tx = outer.make_outer_optimizer("sgd_nesterov", learning_rate=0.7, momentum=0.9)
   theta = {"w": jnp.asarray([1.0, -2.0])}
   delta = {"w": jnp.asarray([0.5, 1.0])}
   step = jax.jit(lambda th, s, d: outer.outer_step(tx, th, s, d))
@@ -87,4 +87,5 @@ def test_outer_step_is_jittable():
 )
 def test_bad_settings_name_the_config_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
-    outer.make_outer_optimizer(**kwargs)
+    outer.make_outer_optimizer(**{"name": "sgd_nesterov", "learning_rate": 0.7, "momentum": 0.9,
+                                  **kwargs})

@@ -1,10 +1,10 @@
-"""Tests for decoupled_diloco.schedule: the staggered sync schedule (spec §3)."""
+"""Tests for decoupled_diloco.algorithm.schedule: the staggered sync schedule (spec §3)."""
 
 import math
 
 import pytest
 
-from decoupled_diloco.schedule import SyncSchedule
+from decoupled_diloco.algorithm.schedule import SyncSchedule
 
 CONFIGS = [  # (P, H, τ)
     (1, 1, 0),
@@ -47,14 +47,14 @@ def test_with_p_equal_h_one_fragment_starts_every_step():
 
 def test_offsets_are_evenly_spaced():
   # H / P = 24 / 4 = 6 steps apart.
-  schedule = SyncSchedule(4, 24)
+  schedule = SyncSchedule(4, 24, 0)
   assert [schedule.offset(p) for p in range(4)] == [0, 6, 12, 18]
   assert schedule.stride == 6
 
 
 def test_a_single_fragment_is_plain_diloco():
   # P = 1: the whole model every H steps, after steps H, 2H, ...
-  schedule = SyncSchedule(1, 10)
+  schedule = SyncSchedule(1, 10, 0)
   assert _due_steps(schedule, 0, 35) == [10, 20, 30]
 
 
@@ -100,7 +100,7 @@ def test_round_index_counts_the_syncs_started_so_far(P, H, tau):
 
 def test_round_index_by_hand():
   # P = 4, H = 24: fragment 1 is due after steps 6, 30, 54; fragment 0 after 24, 48.
-  schedule = SyncSchedule(4, 24)
+  schedule = SyncSchedule(4, 24, 0)
   assert [schedule.round_index(1, t) for t in (5, 6, 29, 30, 54)] == [0, 1, 1, 2, 3]
   assert [schedule.round_index(0, t) for t in (0, 23, 24, 47, 48)] == [0, 0, 1, 1, 2]
 
@@ -125,4 +125,4 @@ def test_bad_settings_name_the_config_field(args, message):
 
 def test_unknown_fragment_is_an_error():
   with pytest.raises(ValueError, match="fragment 4"):
-    SyncSchedule(4, 24).offset(4)
+    SyncSchedule(4, 24, 0).offset(4)

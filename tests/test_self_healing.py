@@ -10,14 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from decoupled_diloco import settings
-from decoupled_diloco import train
+from conftest import tiny_settings
+from decoupled_diloco.runtime import train
 
 
 def _build(tmp_path, schedule="", step_hook=None, **overrides):
-  config = tiny_config(tmp_path, chaos__schedule=schedule, **overrides)
-  return train.build(config, step_hook=step_hook)
+  return train.build(tiny_settings(tmp_path, chaos__schedule=schedule, **overrides),
+                     step_hook=step_hook)
 
 
 class _StepLog:
@@ -186,4 +185,4 @@ def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
 ])
 def test_bad_chaos_settings_are_refused_at_start_up(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
-    settings.validate(tiny_config(tmp_path, **overrides))
+    tiny_settings(tmp_path, **overrides)

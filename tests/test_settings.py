@@ -3,6 +3,7 @@
 import pytest
 
 from decoupled_diloco import settings
+from decoupled_diloco.lm import data
 from experiments import dp_baseline_cpu
 from experiments import tiny_cpu
 
@@ -89,6 +90,82 @@ def test_lock_step_modes_resolve_to_their_baselines():
 def test_dp_is_one_learner_over_all_learner_devices_with_the_same_tokens_per_step():
   decoupled = settings.validate(tiny_cpu.get_config())
   dp = settings.validate(dp_baseline_cpu.get_config())
-  assert dp.num_learners == 1 and dp.sync is None and dp.syncer_devices == 0
+  assert dp.num_learners == 1 and dp.sync is None and dp.syncer.num_devices == 0
   assert dp.learner_devices == decoupled.learner_devices == 8
   assert dp.learner_batch_size == decoupled.num_learners * decoupled.learner_batch_size
+
+
+def test_missing_field_is_named():
+  config = tiny_cpu.get_config()
+  del config.inner["final_lr_fraction"]
+  with pytest.raises(ValueError, match=r"config\.inner\.final_lr_fraction is missing"):
+    settings.validate(config)
+
+
+@pytest.mark.parametrize("field, closest", [
+    ("model.num_head", "config.model.num_heads"),
+    ("sync.qorum", "config.sync.quorum"),
+    ("lerning_rate", "config.inner.learning_rate"),
+])
+def test_unknown_field_is_named_with_the_closest_known(field, closest):
+  config = tiny_cpu.get_config()
+  config.unlock()
+  section, _, name = field.rpartition(".")
+  (config[section] if section else config)[name] = 1
+  with pytest.raises(ValueError, match=rf"config\.{field} is not a config field") as err:
+    settings.validate(config)
+  assert closest in str(err.value), str(err.value)
+
+
+def test_every_config_field_lands_at_its_dotted_path():
+  """The tree covers the config one to one; only the fields `validate` resolves differ."""
+  config = tiny_cpu.get_config()
+  run = settings.validate(config)
+  resolved = {
+      "data.path": data.default_corpus_path(),  # "" = the bundled corpus
+      "learner_mesh_shapes": ((2, 1),) * 4,  # one entry stands for every learner
+      "learner_step_delays_s": (0.0,) * 4,  # empty = no delay
+  }
+  assert set(settings.config_fields()) == set(_flat(config))
+  for field in settings.config_fields():
+    node = run
+    for part in field.split("."):
+      node = getattr(node, part)
+    expected = resolved.get(field, _flat(config)[field])
+    assert node == expected, (field, node, expected)
+
+
+def _flat(config, prefix=""):
+  flat = {}
+  for key, value in config.items():
+    if hasattr(value, "items"):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def test_model_fields_reach_the_model_config():
+  run = settings.validate(_config(**{
+      "model.embed_dim": 48, "model.num_heads": 2, "model.head_dim": 16, "model.mlp_dim": 96,
+      "model.max_seq_len": 64, "model.dtype": "bfloat16", "model.rope_base": 500.0,
+      "data.seq_len": 64}))
+  assert (run.model.embed_dim, run.model.num_heads * run.model.head_dim) == (48, 32)
+  assert (run.model.dtype, run.model.rope_base, run.model.max_seq_len) == ("bfloat16", 500.0, 64)
+
+
+def test_workdir_under_a_file_is_named(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("", encoding="utf-8")
+  with pytest.raises(ValueError, match=r"config\.workdir='.*a_file/run'.*is a file"):
+    settings.validate(_config(workdir=str(blocker / "run")))
+
+
+def test_remote_workdir_is_not_probed_on_this_host(monkeypatch):
+  def probe(**kwargs):
+    raise AssertionError(f"probed {kwargs['dir']} for a remote workdir")
+
+  monkeypatch.setattr(settings.tempfile, "mkdtemp", probe)
+  assert settings.validate(_config(workdir="gs://bucket/run")).workdir == "gs://bucket/run"
+  with pytest.raises(AssertionError, match="probed"):
+    settings.validate(_config(workdir="local/run"))

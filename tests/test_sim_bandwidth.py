@@ -25,7 +25,7 @@ def test_encoded_bytes_by_hand(num_values, fmt, block_size, expected):
 
 
 def test_encoded_bytes_agree_with_the_runtime_wire_format():
-  compression = pytest.importorskip("decoupled_diloco.compression")
+  compression = pytest.importorskip("decoupled_diloco.algorithm.compression")
   for fmt in bw.FORMATS:
     for n in (0, 1, 63, 64, 65, 1001, 4096):
       for block in (1, 3, 64):

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from decoupled_diloco import compression
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import global_model
-from decoupled_diloco import messages
-from decoupled_diloco import outer
-from decoupled_diloco import syncer as syncer_lib
-from decoupled_diloco import tape as tape_lib
+from conftest import default_settings
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.settings import SyncSettings
 
 NOTHING, STALE = messages.Answer.NOTHING, messages.Answer.STALE
@@ -66,8 +66,9 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
       sync=sync, fragments=fragments,
       initial_params={n: np.full(s, initial, np.float32) for n, s in SHAPES.items()},
       mesh=mesh, outer_tx=outer_tx or outer.make_outer_optimizer("sgd", 1.0, 0.0),
-      options=global_model.MergeOptions(rule=rule, anchor=anchor, outer_grad_format="fp32"),
-      num_learners=num_learners)
+      merge=default_settings("merge", rule=rule, anchor=anchor),
+      compression=default_settings("compression", outer_grad="fp32"),
+      num_learners=num_learners, num_workers=1)
   syncer.compile()
   learners = [Scripted(m) for m in range(num_learners if attached is None else attached)]
   for m, link in enumerate(learners):

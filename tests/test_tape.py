@@ -1,6 +1,6 @@
 """The merge-tape audits on hand-written tapes."""
 
-from decoupled_diloco import tape
+from decoupled_diloco.algorithm import tape
 
 
 def _merge(fragment, version, *offers):

@@ -27,10 +27,10 @@ import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import inner
-from decoupled_diloco import learner as learner_lib
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco import syncer as syncer_lib
+from decoupled_diloco.lm import inner
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import syncer as syncer_lib
 
 
 class Supervisor:

@@ -7,16 +7,16 @@ shardings on that mesh, so a learner's program never touches another learner's d
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from decoupled_diloco import model
+from decoupled_diloco.lm import model
 
 
 class TrainState(NamedTuple):
@@ -27,65 +27,69 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: inner steps taken.
 
 
-_INNER_FIELDS = ("learning_rate", "warmup_steps", "final_lr_fraction", "weight_decay",
-                 "b1", "b2", "eps", "grad_clip_norm")
+@dataclasses.dataclass(frozen=True)
+class InnerConfig:
+  """The learners' AdamW and its schedule; `settings.validate` builds it from `config.inner`."""
+
+  learning_rate: float  # peak, after the warmup
+  warmup_steps: int
+  final_lr_fraction: float  # the cosine ends at learning_rate x this at the last step
+  weight_decay: float
+  b1: float
+  b2: float
+  eps: float
+  grad_clip_norm: float  # global norm; 0 = no clipping
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.inner.{f.name}={value!r} must be a number")
+    if not self.learning_rate > 0:
+      raise ValueError(f"config.inner.learning_rate={self.learning_rate} must be > 0")
+    if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+      raise ValueError(f"config.inner.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+    if not 0.0 <= self.final_lr_fraction <= 1.0:
+      raise ValueError(
+          f"config.inner.final_lr_fraction={self.final_lr_fraction} must be in [0, 1]")
+    if not self.weight_decay >= 0:
+      raise ValueError(f"config.inner.weight_decay={self.weight_decay} must be >= 0")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"config.inner.{name}={getattr(self, name)} must be in [0, 1)")
+    if not self.eps > 0:
+      raise ValueError(f"config.inner.eps={self.eps} must be > 0")
+    if not self.grad_clip_norm >= 0:
+      raise ValueError(
+          f"config.inner.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 = off)")
 
 
-def _validated(cfg: ml_collections.ConfigDict, total_steps: int) -> dict[str, Any]:
-  """Reads and checks `config.inner`; every error names the offending field."""
-  missing = [f for f in _INNER_FIELDS if f not in cfg]
-  if missing:
-    raise ValueError(f"config.inner.{missing[0]} is missing (needs {list(_INNER_FIELDS)})")
-  v = {f: cfg[f] for f in _INNER_FIELDS}
-  for f in _INNER_FIELDS:
-    if isinstance(v[f], bool) or not isinstance(v[f], (int, float)):
-      raise ValueError(f"config.inner.{f}={v[f]!r} must be a number")
+def make_learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup 0 -> lr over `warmup_steps`, then cosine to lr * final_lr_fraction at `total_steps`."""
   if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
     raise ValueError(f"total_steps={total_steps!r} must be a positive integer")
-  if not v["learning_rate"] > 0:
-    raise ValueError(f"config.inner.learning_rate={v['learning_rate']} must be > 0")
-  if not isinstance(v["warmup_steps"], int) or not 0 <= v["warmup_steps"] < total_steps:
+  if cfg.warmup_steps >= total_steps:
     raise ValueError(
-        f"config.inner.warmup_steps={v['warmup_steps']!r} must be an integer in "
+        f"config.inner.warmup_steps={cfg.warmup_steps!r} must be an integer in "
         f"[0, total_steps={total_steps})"
     )
-  if not 0.0 <= v["final_lr_fraction"] <= 1.0:
-    raise ValueError(f"config.inner.final_lr_fraction={v['final_lr_fraction']} must be in [0, 1]")
-  if not v["weight_decay"] >= 0:
-    raise ValueError(f"config.inner.weight_decay={v['weight_decay']} must be >= 0")
-  for f in ("b1", "b2"):
-    if not 0.0 <= v[f] < 1.0:
-      raise ValueError(f"config.inner.{f}={v[f]} must be in [0, 1)")
-  if not v["eps"] > 0:
-    raise ValueError(f"config.inner.eps={v['eps']} must be > 0")
-  if not v["grad_clip_norm"] >= 0:
-    raise ValueError(f"config.inner.grad_clip_norm={v['grad_clip_norm']} must be >= 0 (0 = off)")
-  return v
-
-
-def make_learning_rate_schedule(cfg: ml_collections.ConfigDict, total_steps: int
-                                ) -> optax.Schedule:
-  """Linear warmup 0 -> lr over `warmup_steps`, then cosine to lr * final_lr_fraction at `total_steps`."""
-  v = _validated(cfg, total_steps)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
-      peak_value=v["learning_rate"],
-      warmup_steps=v["warmup_steps"],
+      peak_value=cfg.learning_rate,
+      warmup_steps=cfg.warmup_steps,
       decay_steps=total_steps,  # optax counts the warmup inside decay_steps.
-      end_value=v["learning_rate"] * v["final_lr_fraction"],
+      end_value=cfg.learning_rate * cfg.final_lr_fraction,
   )
 
 
-def make_inner_optimizer(cfg: ml_collections.ConfigDict, total_steps: int
-                         ) -> optax.GradientTransformation:
+def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
   """AdamW on the warmup-cosine schedule, after global-norm clipping when grad_clip_norm > 0."""
-  v = _validated(cfg, total_steps)
   adamw = optax.adamw(
       learning_rate=make_learning_rate_schedule(cfg, total_steps),
-      b1=v["b1"], b2=v["b2"], eps=v["eps"], weight_decay=v["weight_decay"],
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
   )
-  if v["grad_clip_norm"] > 0:
-    return optax.chain(optax.clip_by_global_norm(v["grad_clip_norm"]), adamw)
+  if cfg.grad_clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
   return adamw
 
 

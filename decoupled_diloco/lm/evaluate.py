@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from decoupled_diloco import inner
-from decoupled_diloco import model as model_lib
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
 
 
 class Evaluator:

@@ -43,7 +43,7 @@ class Encoded:
   fmt: str
   shape: tuple[int, ...]
   payload: tuple[np.ndarray, ...]
-  block_size: int = 64
+  block_size: int
 
   @property
   def nbytes(self) -> int:
@@ -63,7 +63,7 @@ def _check(fmt: str, block_size: int) -> None:
     raise ValueError(f"config.compression.block_size={block_size!r} must be an integer >= 1")
 
 
-def encoded_nbytes(num_elements: int, fmt: str, block_size: int = 64) -> int:
+def encoded_nbytes(num_elements: int, fmt: str, block_size: int) -> int:
   """Bytes on the wire for ``num_elements`` values, computed without encoding anything.
 
   fp32: 4n; bf16: 2n; int8: n + 4·⌈n/B⌉; int4: ⌈n/2⌉ + 4·⌈n/B⌉ (B = block_size, 4 bytes per scale).
@@ -115,7 +115,7 @@ def _unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
   return (nibbles[:n].astype(np.int16) - 8).astype(np.int8)
 
 
-def encode(x: np.ndarray, fmt: str, block_size: int = 64) -> Encoded:
+def encode(x: np.ndarray, fmt: str, block_size: int) -> Encoded:
   """Encode one tensor (any float dtype, any shape including ()) in a wire format."""
   _check(fmt, block_size)
   x = np.asarray(x)
@@ -148,7 +148,7 @@ def decode(enc: Encoded) -> np.ndarray:
 
 
 def encode_tree(
-    tree: Mapping[str, np.ndarray], fmt: str, block_size: int = 64
+    tree: Mapping[str, np.ndarray], fmt: str, block_size: int
 ) -> dict[str, Encoded]:
   """``encode`` every tensor of a flat dict."""
   return {name: encode(x, fmt, block_size) for name, x in tree.items()}

@@ -1,9 +1,12 @@
 """The single-controller runtime: M learner threads on their own meshes plus a syncer thread.
 
-`train_and_evaluate(config)` validates the config, partitions the devices, builds and compiles the
-learners and the syncer, runs them, prints progress, evaluates the global model (the syncer's Theta;
-the learner's own parameters in dp mode) and writes `workdir/summary.json`. It only moves data and
-calls the pure pieces (fragments, merge, outer, schedule) through the learner and syncer.
+`train_and_evaluate(settings)` partitions the devices, builds and compiles the learners and the
+syncer, runs them, prints progress, evaluates the global model (the syncer's Theta; the learner's own
+parameters in dp mode) and writes `workdir/summary.json`. It only moves data and calls the pure
+pieces (fragments, merge, outer, schedule) through the learner and syncer.
+
+It takes the `RunSettings` that `settings.validate` returned at the entry point, never the raw
+config: no field can skip validation, and a misspelt field cannot silently read as a default.
 """
 
 from __future__ import annotations
@@ -17,32 +20,29 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import data as data_lib
-from decoupled_diloco import devices as devices_lib
-from decoupled_diloco import evaluate
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import global_model as global_model_lib
-from decoupled_diloco import inner
-from decoupled_diloco import learner as learner_lib
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco import model as model_lib
-from decoupled_diloco import outer
 from decoupled_diloco import settings as settings_lib
-from decoupled_diloco import syncer as syncer_lib
-from decoupled_diloco import tape as tape_lib
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.lm import data as data_lib
+from decoupled_diloco.lm import evaluate
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import injector as injector_lib
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import supervisor as supervisor_lib
+from decoupled_diloco.runtime import syncer as syncer_lib
 
 
 @dataclasses.dataclass
 class Run:
   """Everything a run is made of, built and compiled, not yet started."""
 
-  config: ml_collections.ConfigDict
   settings: settings_lib.RunSettings
   learners: list[learner_lib.Learner]
   syncer: syncer_lib.Syncer | None
@@ -57,22 +57,22 @@ class Run:
   supervisor: supervisor_lib.Supervisor | None = None  # restarts failed learners
 
 
-def build(config: ml_collections.ConfigDict, *,
+def build(settings: settings_lib.RunSettings, *,
           step_hook: Callable[[int, int], None] | None = None,
           with_syncer: bool = True) -> Run:
-  """Validates, partitions devices, builds learners and syncer and compiles their steps."""
+  """Partitions devices, builds learners and syncer and compiles their steps."""
   start = time.perf_counter()
-  settings = settings_lib.validate(config)
-  devices_lib.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
+  devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
-      settings.learner_mesh_shapes, settings.syncer_devices, config.devices.platform)
-  metrics = metrics_lib.MetricsWriter(config.workdir)
-  tokens = data_lib.load_tokens(settings.data_path)
-  train_tokens, eval_tokens = data_lib.split_tokens(tokens, config.data.eval_fraction)
+      settings.learner_mesh_shapes, settings.syncer.num_devices, settings.devices.platform)
+  metrics = metrics_lib.MetricsWriter(settings.workdir)
+  data = settings.data
+  train_tokens, eval_tokens = data_lib.split_tokens(data_lib.load_tokens(data.path),
+                                                    data.eval_fraction)
   eval_batches = data_lib.make_eval_batches(
-      eval_tokens, seq_len=config.data.seq_len, batch_size=config.data.batch_size,
-      max_batches=config.eval_batches)
-  tx = inner.make_inner_optimizer(config.inner, config.num_steps)
+      eval_tokens, seq_len=data.seq_len, batch_size=data.batch_size,
+      max_batches=settings.eval_batches)
+  tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
   model_cfg = settings.model
   sync = settings.sync if with_syncer else None
   fragments = ()
@@ -80,14 +80,6 @@ def build(config: ml_collections.ConfigDict, *,
     fragments = fragments_lib.partition(
         model_lib.param_shapes(model_cfg), sync.num_fragments, sync.fragmentation,
         embedding_names=(model_lib.EMBEDDING_NAME,))
-  options = learner_lib.LearnerOptions(
-      num_steps=config.num_steps,
-      lock_step=bool(sync and sync.lock_step),
-      schedule=sync.schedule if sync else None,
-      alpha=config.merge.alpha,
-      keep_in_flight_progress=config.merge.keep_in_flight_progress,
-      log_every=config.log_every,
-  )
   layout = model_lib.param_layout(model_cfg)
   injector = None
   if settings.chaos.enabled:
@@ -102,7 +94,7 @@ def build(config: ml_collections.ConfigDict, *,
     shardings = model_lib.param_shardings(model_cfg, mesh)
     if initial is None:
       started = time.perf_counter()
-      graphdef, params = model_lib.init_params(model_cfg, mesh, config.seed)
+      graphdef, params = model_lib.init_params(model_cfg, mesh, settings.seed)
       initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
       compile_seconds["init_compile_s"] = time.perf_counter() - started
     else:
@@ -113,33 +105,39 @@ def build(config: ml_collections.ConfigDict, *,
     train_step = inner.make_train_step(
         graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings))
     started = time.perf_counter()
-    _compile(train_step, state, settings.learner_batch_size, config.data.seq_len)
+    _compile(train_step, state, settings.learner_batch_size, data.seq_len)
     compile_seconds["train_compile_s"] += time.perf_counter() - started
     loader = data_lib.make_train_loader(
-        train_tokens, seq_len=config.data.seq_len, batch_size=settings.learner_batch_size,
-        shard_index=index, num_shards=settings.num_learners, seed=config.seed)
+        train_tokens, seq_len=data.seq_len, batch_size=settings.learner_batch_size,
+        shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
     built.append((train_step, state, shardings, iter(loader)))
   syncer = None
   if sync is not None:
     syncer = syncer_lib.Syncer(
         sync=sync, fragments=fragments, initial_params=layout.to_flat(initial), mesh=syncer_mesh,
-        outer_tx=outer.make_outer_optimizer(config.outer.name, config.outer.learning_rate,
-                                            config.outer.momentum),
-        options=global_model_lib.MergeOptions(
-            rule=config.merge.rule, weighting=config.merge.weighting, anchor=config.merge.anchor,
-            outer_grad_format=config.compression.outer_grad,
-            broadcast_format=config.compression.broadcast,
-            block_size=config.compression.block_size),
-        num_learners=settings.num_learners, num_workers=settings.syncer_workers,
+        outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
+                                            settings.outer.momentum),
+        merge=settings.merge, compression=settings.compression,
+        num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
         metrics=metrics)
     syncer.compile()
     compile_seconds["syncer_compile_s"] = syncer.compile_seconds
   learners = []
   for index, (train_step, state, shardings, batches) in enumerate(built):
+    options = learner_lib.LearnerOptions(
+        num_steps=settings.num_steps,
+        lock_step=bool(sync and sync.lock_step),
+        schedule=sync.schedule if sync else None,
+        alpha=settings.merge.alpha,
+        keep_in_flight_progress=settings.merge.keep_in_flight_progress,
+        step_delay_s=settings.learner_step_delays_s[index],
+        log_every=settings.log_every,
+        wait_timeout_s=settings.stall_timeout_s,
+    )
     learner = learner_lib.Learner(
         index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
         fragments=fragments, syncer=syncer, metrics=metrics, step_hook=step_hook, layout=layout,
-        options=dataclasses.replace(options, step_delay_s=settings.learner_step_delays_s[index]))
+        options=options)
     learners.append(learner)
     if syncer is not None:
       syncer.attach(index, learner)
@@ -156,7 +154,7 @@ def build(config: ml_collections.ConfigDict, *,
         learners, syncer, init_opt_state=jax.jit(tx.init),
         repaired_at=injector.repaired_at if injector is not None else lambda _: 0.0,
         max_restarts=settings.max_restarts, metrics=metrics)
-  return Run(config, settings, learners, syncer, evaluator, metrics, fragments,
+  return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor)
 
@@ -191,7 +189,7 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   Any failure of the syncer, a stall of every learner for `config.stall_timeout_s`, or a Ctrl-C
   stops every learner and the syncer before the error propagates: no thread trains on alone.
   """
-  config, learners, syncer = run.config, run.learners, run.syncer
+  settings, learners, syncer = run.settings, run.learners, run.syncer
   start = time.perf_counter()
   evals: list[dict[str, Any]] = []
   try:
@@ -230,21 +228,21 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   evals.append(final)
   summary = _summary(run, evals, train_seconds, time.perf_counter() - start)
   run.metrics.flush()
-  with open(os.path.join(config.workdir, "summary.json"), "w", encoding="utf-8") as f:
+  with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
   if progress:
     logging.info("done: final eval loss %.4f nats/byte, %.1f s, summary in %s",
                  final["eval_loss"], summary["wall_seconds"],
-                 os.path.join(config.workdir, "summary.json"))
+                 os.path.join(settings.workdir, "summary.json"))
   run.metrics.close()
   return summary
 
 
 def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> None:
   """Watches the learners until every one has made its last step (or failed)."""
-  config, learners, syncer = run.config, run.learners, run.syncer
-  stall_timeout = run.settings.stall_timeout_s
-  next_log, next_eval = config.log_every, config.eval_every or None
+  settings, learners, syncer = run.settings, run.learners, run.syncer
+  stall_timeout = settings.stall_timeout_s
+  next_log, next_eval = settings.log_every, settings.eval_every or None
   last_steps, last_change = -1, time.monotonic()
   supervisor = run.supervisor
   while not all(l.finished_training.is_set() for l in learners) or (
@@ -265,10 +263,10 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> 
     clock = max(l.step for l in learners)
     if progress and clock >= next_log:
       _log_progress(run, clock, evals)
-      next_log += config.log_every
-    if next_eval is not None and clock >= next_eval and clock < config.num_steps:
+      next_log += settings.log_every
+    if next_eval is not None and clock >= next_eval and clock < settings.num_steps:
       evals.append(_evaluate(run, clock))
-      next_eval += config.eval_every
+      next_eval += settings.eval_every
 
 
 def _check_syncer(syncer: syncer_lib.Syncer | None) -> None:
@@ -291,8 +289,8 @@ def _shut_down(run: Run) -> None:
   run.metrics.close()
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  run = build(config)
+def train_and_evaluate(settings: settings_lib.RunSettings) -> dict[str, Any]:
+  run = build(settings)
   logging.info("built %d learner(s), %d parameters, %d fragment(s) in %.1f s", len(run.learners),
                run.num_params, len(run.fragments), run.build_seconds)
   return execute(run)
@@ -311,11 +309,12 @@ def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
 
 def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
   losses = " ".join(f"{l.losses[-1]:.3f}" if l.losses else "-" for l in run.learners)
-  tokens_per_step = run.settings.learner_batch_size * run.config.data.seq_len
+  settings = run.settings
+  tokens_per_step = settings.learner_batch_size * settings.data.seq_len
   rates = " ".join(
-      f"{tokens_per_step / np.mean(l.step_times[-run.config.log_every:]) / 1e3:.1f}k"
+      f"{tokens_per_step / np.mean(l.step_times[-settings.log_every:]) / 1e3:.1f}k"
       if l.step_times else "-" for l in run.learners)
-  line = f"step {clock}/{run.config.num_steps} | loss {losses} | tokens/s {rates}"
+  line = f"step {clock}/{settings.num_steps} | loss {losses} | tokens/s {rates}"
   if run.syncer is not None:
     stats = run.syncer.stats
     line += (f" | merges {stats.merges} | MB to/from syncer "
@@ -327,7 +326,7 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
 
 def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict[str, Any]:
   learners, syncer = run.learners, run.syncer
-  tokens_per_step = run.settings.learner_batch_size * run.config.data.seq_len
+  tokens_per_step = run.settings.learner_batch_size * run.settings.data.seq_len
   stats = syncer.stats if syncer is not None else syncer_lib.SyncerStats()
   tape = syncer.tape if syncer is not None else []
   final_steps = [l.step for l in learners]

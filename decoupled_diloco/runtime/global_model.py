@@ -32,24 +32,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from decoupled_diloco import compression
-from decoupled_diloco import devices as devices_lib
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import merge as merge_lib
-from decoupled_diloco import messages
-from decoupled_diloco import outer
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import compression as compression_lib
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import merge as merge_lib
+from decoupled_diloco.algorithm import outer
+from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import messages
 
 _FLOAT_BYTES = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeOptions:
-  rule: str = "rda"
-  weighting: str = "tokens_sq_over_steps"
-  anchor: str = "learner"
-  outer_grad_format: str = "bf16"
-  broadcast_format: str = "fp32"
-  block_size: int = 64
 
 
 @dataclasses.dataclass
@@ -59,7 +50,7 @@ class MergeResult:
   fragment: int
   theta: dict[str, np.ndarray]
   opt_state: dict[str, Any]
-  wire: dict[str, compression.Encoded]  # Theta_p in the broadcast format
+  wire: dict[str, compression_lib.Encoded]  # Theta_p in the broadcast format
   weights: np.ndarray  # per learner slot
   bytes_up: int  # encoded outer gradients, as they would travel
   started_at: float
@@ -92,10 +83,12 @@ class GlobalModel:
 
   def __init__(self, *, fragments: Sequence[fragments_lib.Fragment],
                initial_params: Mapping[str, np.ndarray], mesh: Mesh,
-               outer_tx: optax.GradientTransformation, options: MergeOptions, num_learners: int):
+               outer_tx: optax.GradientTransformation, merge: settings_lib.MergeSettings,
+               compression: settings_lib.CompressionSettings, num_learners: int):
     self.fragments = tuple(fragments)
     self.mesh = mesh
-    self.options = options
+    self._merge = merge
+    self._compression = compression
     self._tx = outer_tx
     shards = mesh.devices.size
     self._padded_learners = -(-num_learners // shards) * shards
@@ -105,7 +98,7 @@ class GlobalModel:
     self._theta = [{n: np.asarray(initial_params[n], np.float32) for n in f.names}
                    for f in self.fragments]
     self._versions = [0] * len(self.fragments)
-    self._keep_history = options.anchor == "syncer"
+    self._keep_history = merge.anchor == "syncer"
     self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
     self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
                          for n, v in theta.items()} for theta in self._theta]
@@ -115,7 +108,7 @@ class GlobalModel:
   # ---- set-up ------------------------------------------------------------------------------------
 
   def _build_merge_fn(self, average: bool):
-    rule, weighting, tx = self.options.rule, self.options.weighting, self._tx
+    rule, weighting, tx = self._merge.rule, self._merge.weighting, self._tx
 
     def merge_and_step(theta, opt_state, deltas_M, tokens_M, steps_M):
       weights_M = merge_lib.learner_weights(tokens_M, steps_M, weighting)
@@ -197,7 +190,7 @@ class GlobalModel:
     a fragment at a time and installs it before starting the next.
     """
     started_at = time.monotonic()
-    opts, fragment = self.options, self.fragments[p]
+    wire_formats, fragment = self._compression, self.fragments[p]
     tokens = np.zeros(self._padded_learners, np.float32)
     steps = np.zeros(self._padded_learners, np.float32)
     for offer in offers:
@@ -210,11 +203,11 @@ class GlobalModel:
       t0 = time.monotonic()
       stacked = np.zeros((self._padded_learners,) + theta_p[name].shape, np.float32)
       for offer in offers:
-        encoded = compression.encode(offer.outer_gradient(name), opts.outer_grad_format,
-                                     opts.block_size)
+        encoded = compression_lib.encode(offer.outer_gradient(name), wire_formats.outer_grad,
+                                         wire_formats.block_size)
         bytes_up += encoded.nbytes
-        stacked[offer.learner] = compression.decode(encoded)
-        if opts.anchor == "syncer":
+        stacked[offer.learner] = compression_lib.decode(encoded)
+        if self._merge.anchor == "syncer":
           # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
           stacked[offer.learner] += theta_p[name] - self._kept(p, offer.anchor_version, name)
       t1 = time.monotonic()
@@ -223,7 +216,7 @@ class GlobalModel:
       new_theta[name] = np.asarray(theta)
       encode_s, merge_s = encode_s + (t1 - t0), merge_s + (time.monotonic() - t1)
     t2 = time.monotonic()
-    wire = compression.encode_tree(new_theta, opts.broadcast_format, opts.block_size)
+    wire = compression_lib.encode_tree(new_theta, wire_formats.broadcast, wire_formats.block_size)
     return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
                        encode_s, merge_s, time.monotonic() - t2)
 
@@ -240,8 +233,8 @@ class GlobalModel:
     """(version, Theta_p in the broadcast format): what a learner joining now must receive."""
     with self._lock:
       version, theta = self._versions[p], self._theta[p]
-    return version, compression.encode_tree(theta, self.options.broadcast_format,
-                                            self.options.block_size)
+    return version, compression_lib.encode_tree(theta, self._compression.broadcast,
+                                                self._compression.block_size)
 
   def received(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Theta as the learners received it (through the broadcast format) and its versions.
@@ -252,7 +245,7 @@ class GlobalModel:
     thetas, versions = [], np.zeros(len(self.fragments), np.int64)
     for p in range(len(self.fragments)):
       versions[p], wire = self.wire(p)
-      thetas.append(compression.decode_tree(wire))
+      thetas.append(compression_lib.decode_tree(wire))
     return {name: value for theta in thetas for name, value in theta.items()}, versions
 
   def install(self, result: MergeResult, anchored: Iterable[int] = ()) -> int:
@@ -269,7 +262,7 @@ class GlobalModel:
     self._opt_states[p] = result.opt_state
     if self._keep_history:
       history = self._history[p]
-      history[version] = compression.decode_tree(result.wire)  # what the learners received
+      history[version] = compression_lib.decode_tree(result.wire)  # what the learners received
       oldest = min(anchored, default=version)
       for old in [v for v in history if v < oldest]:
         del history[old]

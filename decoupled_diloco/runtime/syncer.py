@@ -35,13 +35,12 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import global_model as global_model_lib
-from decoupled_diloco import grace as grace_lib
-from decoupled_diloco import messages
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco.global_model import MergeOptions
-from decoupled_diloco.settings import SyncSettings
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import grace as grace_lib
+from decoupled_diloco.runtime import global_model as global_model_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import metrics as metrics_lib
 
 _FLOAT_BYTES = 4
 
@@ -73,6 +72,9 @@ class _Round:
   landed_at: float | None = None  # when the last offer in it landed
   quorum_at: float | None = None
   deadline: float | None = None
+
+
+_FLUSH = object()  # flush() asks for the final rounds through the inbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +120,15 @@ class Syncer:
   def __init__(
       self,
       *,
-      sync: SyncSettings,
+      sync: settings_lib.SyncSettings,
       fragments: Sequence[fragments_lib.Fragment],
       initial_params: Mapping[str, np.ndarray],
       mesh: Mesh,
       outer_tx: optax.GradientTransformation,
-      options: MergeOptions,
+      merge: settings_lib.MergeSettings,
+      compression: settings_lib.CompressionSettings,
       num_learners: int,
-      num_workers: int = 1,
+      num_workers: int,
       metrics: metrics_lib.MetricsWriter | None = None,
   ):
     self._sync = sync
@@ -133,7 +136,7 @@ class Syncer:
     self._metrics = metrics
     self.model = global_model_lib.GlobalModel(
         fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
-        options=options, num_learners=num_learners)
+        merge=merge, compression=compression, num_learners=num_learners)
     self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
     self._incarnations: dict[int, int] = {}
@@ -194,8 +197,9 @@ class Syncer:
 
     Returns False if it did not finish within `timeout`; raises if the syncer failed.
     """
-    self._flush_state = "requested"
-    self._inbox.put(None)
+    # Through the inbox: the reports queued before it still advance the clock and open their
+    # rounds, however far the syncer's thread lags behind the learners.
+    self._inbox.put(_FLUSH)
     done = self._flush_done.wait(timeout)
     if self.error is not None:
       raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error
@@ -262,6 +266,9 @@ class Syncer:
         return
 
   def _handle(self, message: Any) -> None:
+    if message is _FLUSH:
+      self._flush_state = "requested"
+      return
     if self._from_earlier_incarnation(message):
       return
     if isinstance(message, messages.StepReport):

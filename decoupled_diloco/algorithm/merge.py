@@ -24,7 +24,7 @@ MERGE_RULES = ("rda", "average")
 PyTree = Any
 
 
-def learner_weights(tokens_M, steps_M, rule: str = "tokens_sq_over_steps") -> jax.Array:
+def learner_weights(tokens_M, steps_M, rule: str) -> jax.Array:
   """Per-learner merge weight from the counters accumulated since the fragment was last received.
 
   ``tokens_sq_over_steps`` (the paper's "quantity x quality"):
@@ -183,8 +183,8 @@ def rda_from_terms(sum_terms: RdaTerms) -> PyTree:
 def merge_fragment(
     deltas: Mapping[str, Any],
     w_M,
+    rule: str,
     average_names: Collection[str] = frozenset(),
-    rule: str = "rda",
 ) -> dict[str, jax.Array]:
   """Merge one fragment's stacked outer gradients ``{name: array[M, ...]}`` into ``{name: Δ}``.
 

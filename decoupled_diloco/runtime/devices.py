@@ -45,7 +45,7 @@ def _backends_initialised() -> bool:
 def build_meshes(
     learner_mesh_shapes: tuple[tuple[int, int], ...],
     syncer_devices: int,
-    platform: str = "cpu",
+    platform: str,
 ) -> tuple[list[Mesh], Mesh | None]:
   """Partitions the devices into learner meshes (data, model) and a syncer mesh (learner,).
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from decoupled_diloco import compression
+from decoupled_diloco.algorithm import compression
 
 
 @dataclasses.dataclass(frozen=True)

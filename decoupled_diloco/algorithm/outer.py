@@ -21,9 +21,9 @@ OPTIMIZERS = ("sgd_nesterov", "sgd", "adam")
 
 
 def make_outer_optimizer(
-    name: str = "sgd_nesterov",
-    learning_rate: float | optax.Schedule = 0.7,
-    momentum: float = 0.9,
+    name: str,
+    learning_rate: float | optax.Schedule,
+    momentum: float,
 ) -> optax.GradientTransformation:
   """The outer optimizer as an optax transformation.
 

@@ -87,7 +87,7 @@ def layer_index(name: str) -> int | None:
 def partition(
     params: Mapping[str, Any],
     num_fragments: int,
-    method: str = "balanced",
+    method: str,
     embedding_names: Collection[str] = (),
 ) -> tuple[Fragment, ...]:
   """Split a flat parameter dict into ``num_fragments`` fragments of whole tensors.

@@ -23,7 +23,7 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 def default_corpus_path() -> str:
   """Path of the bundled tiny-shakespeare corpus (1.1 MB of plain text)."""
-  resource = importlib.resources.files("decoupled_diloco") / "corpora" / "tinyshakespeare.txt"
+  resource = importlib.resources.files("decoupled_diloco.lm") / "corpora" / "tinyshakespeare.txt"
   return os.fspath(resource)
 
 

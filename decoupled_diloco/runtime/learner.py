@@ -42,13 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import compression
-from decoupled_diloco import fragments as fragments_lib
-from decoupled_diloco import inner
-from decoupled_diloco import messages
-from decoupled_diloco import metrics as metrics_lib
-from decoupled_diloco import model as model_lib
-from decoupled_diloco import schedule as schedule_lib
+from decoupled_diloco.algorithm import compression
+from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import schedule as schedule_lib
+from decoupled_diloco.lm import inner
+from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import metrics as metrics_lib
 
 
 class SyncerLink(Protocol):
@@ -82,16 +82,19 @@ class Counters(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LearnerOptions:
+  """One learner's share of the run's settings (`train.build` derives it; no defaults here)."""
+
   num_steps: int
-  lock_step: bool = False
-  schedule: schedule_lib.SyncSchedule | None = None  # lock-step modes offer on their own schedule
-  alpha: float = 0.0  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
+  lock_step: bool
+  schedule: schedule_lib.SyncSchedule | None  # lock-step modes offer on their own schedule
+  alpha: float  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
   # On receiving a merge, keep the steps no merge has taken yet: theta <- Theta + (those steps), and
   # the counters keep them. False = the paper's plain overwrite, which drops them.
-  keep_in_flight_progress: bool = False
-  step_delay_s: float = 0.0  # emulated slower hardware
-  log_every: int = 25
-  wait_timeout_s: float = 600.0  # lock-step only: give up waiting for a merge after this long
+  keep_in_flight_progress: bool
+  step_delay_s: float  # emulated slower hardware
+  log_every: int
+  # Lock-step only: give up waiting for a merge after this long (config.stall_timeout_s).
+  wait_timeout_s: float
 
 
 class Learner:
@@ -510,7 +513,7 @@ class Learner:
         if time.monotonic() > deadline:
           raise TimeoutError(
               f"learner {self.index}: merge of fragment {p} did not come back within "
-              f"{self._options.wait_timeout_s}s (lock-step mode)")
+              f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
         self._serve(timeout=0.05)
 
 

@@ -39,7 +39,7 @@ class SyncSchedule:
 
   num_fragments: int
   period: int
-  overlap: int = 0
+  overlap: int
 
   def __post_init__(self):
     self.validate()

@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -68,27 +67,27 @@ _AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads"}
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of the transformer; `from_config` reads them from `config.model`."""
+  """Hyper-parameters of the transformer; `settings.validate` builds it from `config.model`."""
 
-  vocab_size: int = 256  # Byte-level tokens.
-  embed_dim: int = 128  # Residual stream width d.
-  num_layers: int = 4
-  num_heads: int = 4
+  vocab_size: int  # 256 for byte-level tokens.
+  embed_dim: int  # Residual stream width d.
+  num_layers: int
+  num_heads: int
   # Independent of embed_dim, as in Gemma (7B: d=3072, 16 heads x 256).
-  head_dim: int = 32
-  mlp_dim: int = 512  # Hidden width of the gated MLP.
-  max_seq_len: int = 128  # Longest sequence `__call__` accepts.
-  dtype: str = "float32"  # Activation dtype; parameters are always float32.
-  rope_base: float = 10_000.0  # Rotary embedding wavelength base.
+  head_dim: int
+  mlp_dim: int  # Hidden width of the gated MLP.
+  max_seq_len: int  # Longest sequence `__call__` accepts.
+  dtype: str  # Activation dtype; parameters are always float32.
+  rope_base: float  # Rotary embedding wavelength base.
   # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
-  mlp_activation: str = "gelu"
+  mlp_activation: str
   # Store each kind of block tensor stacked on a leading layer axis and run the blocks under
   # lax.scan: the train and eval steps are traced and compiled once whatever num_layers (MaxText's
-  # scan_layers). False unrolls the blocks over one tensor per layer. Off by default for the tiny
-  # CPU models, where the unrolled step runs ~20% faster (XLA:CPU writes the activations saved for
-  # the backward pass into stacked buffers); on for deep models, whose start-up it bounds.
-  scan_layers: bool = False
-  attention: str = "xla"  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
+  # scan_layers). False unrolls the blocks over one tensor per layer: for tiny CPU models the
+  # unrolled step runs ~20% faster (XLA:CPU writes the activations saved for the backward pass
+  # into stacked buffers); deep models need it on, it bounds their start-up.
+  scan_layers: bool
+  attention: str  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
 
   def __post_init__(self):
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim",
@@ -129,22 +128,6 @@ class ModelConfig:
             f"config.model.head_dim={self.head_dim} must be a multiple of 8 and at most 256 "
             "(128 before Hopper) with config.model.attention='cudnn'"
         )
-
-  @classmethod
-  def from_config(cls, cfg: ml_collections.ConfigDict) -> "ModelConfig":
-    """Builds the config from `config.model`; absent fields keep their defaults.
-
-    Unknown fields are an error rather than ignored, so a misspelt override cannot silently leave
-    the default in place.
-    """
-    known = {f.name for f in dataclasses.fields(cls)}
-    values = dict(cfg.items())
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(
-          f"config.model.{unknown[0]} is not a model field; known fields: {sorted(known)}"
-      )
-    return cls(**values)
 
   @property
   def activation_dtype(self) -> Any:

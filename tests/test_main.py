@@ -1,0 +1,70 @@
+"""The entry point on bad input: one line that names the field, before anything compiles.
+
+Each case runs `python -m decoupled_diloco.main` in a new process, as a user does, so that flag
+parsing, validation and the exit are what a user sees.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from decoupled_diloco import settings
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Validation imports JAX but starts no backend; compiling even the tiny model takes longer than this.
+_BEFORE_COMPILING_S = 60
+
+
+def _main(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+  started = time.monotonic()
+  out = subprocess.run(
+      [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py", *args],
+      cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+  return out, time.monotonic() - started
+
+
+def _one_line(out: subprocess.CompletedProcess) -> str:
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode != 0, out.stderr
+  assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+  assert lines[0].startswith("Invalid config: config."), lines[0]
+  return lines[0]
+
+
+@pytest.mark.parametrize("field, closest", [
+    ("nonexistent", None),
+    ("sync.qorum", "config.sync.quorum"),
+    ("model.num_head", "config.model.num_heads"),
+])
+def test_unknown_override_names_it_and_the_closest_known_fields(field, closest, tmp_path):
+  out, _ = _main(f"--config.{field}=1", f"--config.workdir={tmp_path / 'run'}")
+  line = _one_line(out)
+  assert f"config.{field} " in line, line
+  suggested = re.findall(r"config\.([\w.]+)", line.split("closest known:")[1])
+  assert suggested and set(suggested) <= set(settings.config_fields()), line
+  if closest is not None:
+    assert closest in line, line
+  assert not (tmp_path / "run").exists()
+
+
+def test_workdir_that_cannot_be_created_is_named_before_compiling(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory", encoding="utf-8")
+  out, seconds = _main(f"--config.workdir={blocker / 'run'}")
+  line = _one_line(out)
+  assert f"config.workdir='{blocker / 'run'}'" in line and "is a file" in line, line
+  assert seconds < _BEFORE_COMPILING_S, seconds
+  assert "built" not in out.stdout + out.stderr
+
+
+def test_bad_value_is_one_line_naming_the_field_and_what_is_allowed(tmp_path):
+  out, _ = _main("--config.sync.quorum=9", f"--config.workdir={tmp_path / 'run'}")
+  line = _one_line(out)
+  assert "config.sync.quorum=9" in line and "config.num_learners=4" in line, line
