@@ -186,3 +186,21 @@ def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
 def test_bad_chaos_settings_are_refused_at_start_up(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
     tiny_settings(tmp_path, **overrides)
+
+
+def test_a_failure_is_noticed_and_healed_while_the_controller_is_busy_evaluating(tmp_path):
+  run = _build(tmp_path, "crash@learner=1,step=6,down_s=0.2", eval_every=4,
+               learner_step_delays_s=(0.05,) * 4)
+  evaluate = run.evaluator
+
+  def slow_first_eval(params, _calls=[]):  # pylint: disable=dangerous-default-value
+    _calls.append(1)
+    if len(_calls) == 1:
+      time.sleep(3.0)  # an eval at real size takes seconds; learners keep training meanwhile
+    return evaluate(params)
+
+  run.evaluator = slow_first_eval
+  summary = train.execute(run, progress=False)
+  [fault] = summary["faults"]
+  assert fault["failed_at_s"] - fault["at_s"] < 1.0
+  assert fault["repaired_at_s"] - fault["at_s"] < 1.5

@@ -1,6 +1,7 @@
 """Restarts failed learners as new incarnations on their own meshes (spec §6, rejoin).
 
-The watcher loop of `train.execute` calls `poll()`. A learner whose thread ended with an error has
+`start()` runs `poll()` on the supervisor's own thread every 50 ms, so a repair is acted on at once
+even while the controller thread evaluates (an eval at real size takes seconds). A learner whose thread ended with an error has
 failed, whatever the cause: the supervisor records what the failure lost (the learner's steps that
 no merge had taken in), waits until its devices are repaired (`repaired_at`, the cluster's answer;
 now for a failure that took no device down), and starts the next incarnation:
@@ -19,6 +20,7 @@ what it lost. Each restart is a record in `records` and a `rejoin` line in metri
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,18 +56,51 @@ class Supervisor:
     self.retired: list[learner_lib.Learner] = []  # failed incarnations, for the accounting
     self.start_steps = [0] * len(learners)  # where each learner's current incarnation started
     self.records: list[dict[str, Any]] = []
+    self.error: BaseException | None = None  # a restart that failed (the run then fails)
+    self._lock = threading.Lock()  # one poll at a time: the thread's and the controller's last
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
-  def start(self, started_at: float) -> None:
-    """Training started at `started_at` (clock time): records count their seconds from there."""
+  def start(self, started_at: float, poll_every_s: float = 0.05) -> None:
+    """Training started at `started_at` (clock time; records count their seconds from there):
+    polls on its own thread until `stop()`."""
     self._started_at = started_at
+    self._poll_every_s = poll_every_s
+    self._thread.start()
+
+  def stop(self) -> None:
+    """Stops polling, then polls once more (a learner that rejoined at the very end)."""
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
+    if self.error is None:
+      self.poll()
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.wait(self._poll_every_s):
+        self.poll()
+    except BaseException as err:  # pylint: disable=broad-except
+      self.error = err
+      logging.exception("supervisor failed")
 
   @property
   def pending(self) -> bool:
-    """A failed learner waits for its repair or restart: the run is not over."""
-    return bool(self._failed)
+    """A failed learner waits for its repair or restart, or has not been seen yet: the run is
+    not over."""
+    return bool(self._failed) or any(l.error is not None and l not in self.retired
+                                     for l in list(self.learners))
+
+  def halt(self) -> None:
+    """Stops polling at once (the run is being shut down)."""
+    self._stop.set()
 
   def poll(self) -> bool:
     """Records new failures, restarts repaired learners. Returns whether a learner restarted."""
+    with self._lock:
+      return self._poll()
+
+  def _poll(self) -> bool:
     now = self._clock()
     restarted = False
     for m, learner in enumerate(self.learners):

@@ -206,7 +206,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     if run.injector is not None:
       run.injector.stop()
     if run.supervisor is not None:
-      run.supervisor.poll()  # records the first step of a learner that rejoined at the very end
+      run.supervisor.stop()
+      _check_supervisor(run.supervisor)
     train_seconds = time.perf_counter() - start
     if syncer is not None:
       # Merge what every learner did since its last sync, so the global model holds all the work.
@@ -249,8 +250,7 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> 
       supervisor is not None and supervisor.pending):
     time.sleep(0.05)
     _check_syncer(syncer)
-    if supervisor is not None and supervisor.poll():
-      last_change = time.monotonic()
+    _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)
     if steps != last_steps:
       last_steps, last_change = steps, time.monotonic()
@@ -269,6 +269,12 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> 
       next_eval += settings.eval_every
 
 
+def _check_supervisor(supervisor: supervisor_lib.Supervisor | None) -> None:
+  if supervisor is not None and supervisor.error is not None:
+    raise RuntimeError(f"restarting a failed learner failed: {supervisor.error!r}"
+                       ) from supervisor.error
+
+
 def _check_syncer(syncer: syncer_lib.Syncer | None) -> None:
   if syncer is not None and syncer.error is not None:
     raise RuntimeError(f"the syncer failed: {syncer.error!r}") from syncer.error
@@ -278,6 +284,8 @@ def _shut_down(run: Run) -> None:
   """Stops every thread of a failed or interrupted run and closes its files."""
   if run.injector is not None:
     run.injector.stop()
+  if run.supervisor is not None:
+    run.supervisor.halt()
   for learner in run.learners:
     learner.stop()
   if run.syncer is not None:
