@@ -76,7 +76,8 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
   return syncer, learners
 
 
-def _offer(syncer, learner, p, value, *, step, since=0, anchor=0.0, anchor_version=0, cls=None):
+def _offer(syncer, learner, p, value, *, step, since=0, anchor=0.0, anchor_version=0, cls=None,
+           incarnation=0):
   names = syncer.model.fragments[p].names
   values = {}
   for n in names:
@@ -86,7 +87,7 @@ def _offer(syncer, learner, p, value, *, step, since=0, anchor=0.0, anchor_versi
   return messages.Offer(
       learner=learner, fragment=p, step=step, since=since, steps=step - since,
       tokens=100 * (step - since), anchor_version=anchor_version, values=values,
-      anchor={n: np.full(SHAPES[n], anchor, np.float32) for n in names})
+      anchor={n: np.full(SHAPES[n], anchor, np.float32) for n in names}, incarnation=incarnation)
 
 
 def _step(syncer, learners, step, step_time_s=0.01):
@@ -371,11 +372,6 @@ def test_a_learner_attached_mid_run_takes_part_from_the_next_round(running):
   assert late.received and late.received[-1].version == 2
 
 
-def _offer_of(syncer, learner, p, value, *, step, since=0, incarnation=0, cls=None):
-  offer = _offer(syncer, learner, p, value, step=step, since=since, cls=cls)
-  return messages.Offer(**{**offer.__dict__, "incarnation": incarnation})
-
-
 def test_the_offer_of_a_learner_that_failed_before_its_round_closed_is_never_merged(running):
   """Spec §6: a failed learner's state is gone; an offer it made that no merge has taken in yet
   (here: still copying to host RAM when it fails) must not reach Theta."""
@@ -408,12 +404,12 @@ def test_a_restarted_learner_counts_its_steps_afresh_and_its_old_incarnation_is_
   reborn = Scripted(1)
   # The new incarnation rejoined from a peer at step 3: its steps (3, 5] are new progress, though
   # the old incarnation had merged through step 9.
-  reborn.answers[p] = lambda merged_through: _offer_of(syncer, 1, p, 2.0, step=5, since=3,
+  reborn.answers[p] = lambda merged_through: _offer(syncer, 1, p, 2.0, step=5, since=3,
                                                        incarnation=1)
   syncer.attach(1, reborn, step=3, incarnation=1, anchor_versions=np.zeros(2, np.int64))
   # It is sent every fragment merged since the versions it holds (fragment 1 is at version 1).
   _wait(lambda: any(bc.fragment == p and bc.version == 1 for bc in reborn.received))
-  syncer.post(_offer_of(syncer, 1, p, 7.0, step=10, since=9, incarnation=0))  # a straggler
+  syncer.post(_offer(syncer, 1, p, 7.0, step=10, since=9, incarnation=0))  # a straggler
   syncer.post(messages.StepReport(1, 10, 0.01, 100, incarnation=0))
   _step(syncer, [0], 3)
   syncer.post(messages.StepReport(1, 5, 0.01, 100, incarnation=1))
