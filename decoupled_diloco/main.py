@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from decoupled_diloco import settings
+from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -52,7 +53,13 @@ def main(argv):
     run_settings = settings.validate(_CONFIG.value)
   except ValueError as err:
     sys.exit(f"Invalid config: {err}")
-  train.train_and_evaluate(run_settings)
+  try:
+    train.train_and_evaluate(run_settings)
+  except checkpoints.CheckpointError as err:
+    sys.exit(f"Cannot resume: {err}")
+  except train.Interrupted as err:
+    print(err, file=sys.stderr)
+    sys.exit(128 + err.signum)
 
 
 if __name__ == "__main__":

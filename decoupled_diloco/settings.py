@@ -128,6 +128,16 @@ class ChaosSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+  """Whole-job checkpoints (orbax) and the syncer's own, more frequent ones (`runtime/checkpoints.py`)."""
+
+  every_steps: int  # a consistent cut of the whole job every this many steps of the clock; 0 = none
+  dir: str  # resolved: workdir/checkpoints when the config says ""; local or gs://
+  keep: int  # newest checkpoints kept of each kind
+  syncer_every_s: float  # the syncer's state alone, every this many seconds; 0 = never
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSettings:
   """What a run does: every config field, validated, with the value the run uses."""
 
@@ -153,6 +163,10 @@ class RunSettings:
   model: model_lib.ModelConfig
   data: DataSettings
   chaos: ChaosSettings
+  checkpoint: CheckpointSettings
+  # auto: resume from the newest checkpoint in checkpoint.dir if there is one | latest: resume, and
+  # fail if there is none | none: start afresh (checkpoint.dir must hold none) | a checkpoint path.
+  restore: str
   # Sequences per step of each learner: data.batch_size, times num_learners in dp mode.
   learner_batch_size: int = dataclasses.field(metadata=_DERIVED)
 
@@ -293,21 +307,7 @@ def _workdir(config) -> str:
   workdir = _get(config, "workdir")
   if not isinstance(workdir, str) or not workdir:
     _fail("workdir", workdir, "must be a non-empty directory path")
-  if "://" in workdir:
-    # A remote path (gs://bucket/...) is not a local directory: nothing here can probe it.
-    return workdir
-  # The run creates it after set-up; find out now whether it can. The deepest existing part of the
-  # path must be a directory that takes a new entry: os.access is not enough (root may "write" to
-  # /proc, which refuses every mkdir), so a probe directory is made there and removed.
-  existing = os.path.abspath(workdir)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    _fail("workdir", workdir, f"{existing} is a file, not a directory")
-  try:
-    os.rmdir(tempfile.mkdtemp(prefix=".workdir_probe_", dir=existing))
-  except OSError as err:
-    _fail("workdir", workdir, f"cannot create a directory in {existing} ({err.strerror})")
+  _local_dir("workdir", workdir)
   return workdir
 
 
@@ -384,6 +384,45 @@ def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
                        random_crashes.repair_shape, random_crashes.seed, faults, random_crashes)
 
 
+RESTORE_CHOICES = ("auto", "latest", "none")
+
+
+def _local_dir(field: str, path: str) -> None:
+  """Fails unless the local directory `path` exists or can be created (remote paths pass)."""
+  if "://" in path:
+    return  # a remote path (gs://bucket/...): nothing here can probe it
+  # The run creates it after set-up; find out now whether it can. The deepest existing part of the
+  # path must be a directory that takes a new entry: os.access is not enough (root may "write" to
+  # /proc, which refuses every mkdir), so a probe directory is made there and removed.
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    _fail(field, path, f"{existing} is a file, not a directory")
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".workdir_probe_", dir=existing))
+  except OSError as err:
+    _fail(field, path, f"cannot create a directory in {existing} ({err.strerror})")
+
+
+def _resolve_checkpoint(config, workdir: str) -> tuple[CheckpointSettings, str]:
+  every_steps = _check_int(config, "checkpoint.every_steps", 0)
+  keep = _check_int(config, "checkpoint.keep", 1)
+  syncer_every_s = _check_float(config, "checkpoint.syncer_every_s", 0.0)
+  directory = _get(config, "checkpoint.dir")
+  if not isinstance(directory, str):
+    _fail("checkpoint.dir", directory, "must be a path string ('' = workdir/checkpoints)")
+  directory = directory or os.path.join(workdir, "checkpoints")
+  _local_dir("checkpoint.dir", directory)
+  restore = _get(config, "restore")
+  if not isinstance(restore, str) or not restore:
+    _fail("restore", restore, f"must be one of {', '.join(RESTORE_CHOICES)} or a checkpoint path")
+  if restore not in RESTORE_CHOICES and "://" not in restore and not os.path.isdir(restore):
+    _fail("restore", restore, f"no such checkpoint directory; use one of "
+                              f"{', '.join(RESTORE_CHOICES)} or the path of a checkpoint")
+  return CheckpointSettings(every_steps, directory, keep, syncer_every_s), restore
+
+
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
   """Checks every field of `config`; returns the settings tree or raises ValueError."""
   _check_fields(config)
@@ -408,6 +447,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners)
   max_restarts = _check_int(config, "max_restarts", 0)
+  checkpoint, restore = _resolve_checkpoint(config, workdir)
   merge_settings = MergeSettings(
       rule=_check_choice(config, "merge.rule", merge.MERGE_RULES),
       weighting=_check_choice(config, "merge.weighting", merge.WEIGHTINGS),
@@ -478,4 +518,5 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       max_restarts=max_restarts, devices=devices, num_learners=num_learners, learner_mesh_shapes=mesh_shapes,
       learner_step_delays_s=delays, syncer=syncer, sync=sync, merge=merge_settings,
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
-      data=data, chaos=chaos_settings, learner_batch_size=learner_batch_size)
+      data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
+      learner_batch_size=learner_batch_size)

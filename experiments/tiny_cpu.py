@@ -41,6 +41,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.chaos.repair_shape = 0.85
   config.chaos.seed = 0
 
+  # Whole-job checkpoints (orbax, written asynchronously while the learners train): each learner's
+  # train state, data position, counters and anchors, and the syncer's state, one consistent cut.
+  # A run whose checkpoint.dir holds checkpoints of the same experiment resumes from the newest.
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every_steps = 100  # steps of the fastest learner between cuts; 0 = no checkpoints
+  config.checkpoint.dir = ""  # "" = workdir/checkpoints; any path orbax takes (local, gs://...)
+  config.checkpoint.keep = 3  # newest checkpoints kept (of the job, and of the syncer alone)
+  # The syncer's state alone (Theta, outer states, versions), so a restarted syncer loses at most
+  # this many seconds of outer momentum; 0 = never (decoupled mode only).
+  config.checkpoint.syncer_every_s = 10.0
+  # auto: resume from the newest checkpoint in checkpoint.dir if any | latest: resume, fail if
+  # there is none | none: start afresh (checkpoint.dir must hold none) | PATH: that checkpoint.
+  config.restore = "auto"
+
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use
   # Fake host devices (XLA_FLAGS=--xla_force_host_platform_device_count), set before JAX starts;

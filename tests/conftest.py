@@ -67,6 +67,7 @@ def tiny_settings(workdir, **overrides):
   config.sync.period = 4
   config.sync.overlap = 1
   config.inner.warmup_steps = 4
+  config.checkpoint.every_steps = 0  # the tests about checkpoints turn them on
   config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
   return settings.validate(config)
 

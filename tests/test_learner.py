@@ -191,3 +191,21 @@ def test_a_learner_remembers_one_taken_offer_per_fragment(built):
   learner._apply(_broadcast(built, 0.25, 1, {0: 7}))
   _assert_all(_values(learner, built), 0.25)  # every step was in the merged offer
   assert learner._counter_steps[P] == 0 and learner._taken == {}
+
+
+def test_steps_an_overwrite_dropped_are_not_discarded_once_a_merge_takes_them_in(built):
+  """Offer at 5 taken; a merge without this learner overwrites at 7 (7 steps discarded); a newer
+  offer is taken; then the merge of the first offer arrives: its 5 steps reached Theta after all,
+  so they are merged, not discarded (every step is merged, discarded or unmerged, exactly once)."""
+  learner = _offered_then_two_more_steps(built)
+  learner._apply(_broadcast(built, 0.75, 1, {}))  # overwrite at step 7: since = 7
+  assert learner.discarded_fragment_steps == 7
+  _set(learner, built, 1.75, step=8, steps=1)
+  newer = learner.offer(P, 0)
+  assert (newer.since, newer.step) == (7, 8)  # replaces the first offer in `_taken`
+  learner._apply(_broadcast(built, 2.0, 2, {0: 5}))
+  # 7 - 5, and this overwrite drops step 8, which the newer offer holds.
+  assert learner.discarded_fragment_steps == 7 - 5 + 1
+  assert learner.discarded_fragment_tokens == 100 * (7 - 5 + 1)
+  learner._apply(_broadcast(built, 2.5, 3, {0: 8}))  # ... and merges it after all
+  assert learner.discarded_fragment_steps == 2 and learner._counter_steps[P] == 0

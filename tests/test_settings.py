@@ -1,5 +1,7 @@
 """Start-up validation: every bad field fails before compilation, naming the field."""
 
+import os
+
 import pytest
 
 from decoupled_diloco import settings
@@ -125,6 +127,7 @@ def test_every_config_field_lands_at_its_dotted_path():
       "data.path": data.default_corpus_path(),  # "" = the bundled corpus
       "learner_mesh_shapes": ((2, 1),) * 4,  # one entry stands for every learner
       "learner_step_delays_s": (0.0,) * 4,  # empty = no delay
+      "checkpoint.dir": os.path.join(config.workdir, "checkpoints"),  # "" = under the workdir
   }
   assert set(settings.config_fields()) == set(_flat(config))
   for field in settings.config_fields():

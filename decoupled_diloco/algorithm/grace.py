@@ -71,3 +71,21 @@ class GraceEstimator:
         gamma=gamma,
         cap=cap,
     )
+
+
+def to_dict(estimator: GraceEstimator) -> dict:
+  """The estimator as plain JSON values (for checkpoints)."""
+  return {"decay": estimator.decay,
+          "step_times": [[learner, ema.value] for learner, ema in estimator.step_times],
+          "quorum": estimator.quorum.value if estimator.quorum else None,
+          "sync": estimator.sync.value if estimator.sync else None}
+
+
+def from_dict(values: dict) -> GraceEstimator:
+  """The inverse of `to_dict`."""
+  decay = values["decay"]
+  return GraceEstimator(
+      decay=decay,
+      step_times=tuple((int(m), Ema(decay, v)) for m, v in values["step_times"]),
+      quorum=Ema(decay, values["quorum"]) if values["quorum"] is not None else None,
+      sync=Ema(decay, values["sync"]) if values["sync"] is not None else None)

@@ -248,6 +248,60 @@ class GlobalModel:
       thetas.append(compression_lib.decode_tree(wire))
     return {name: value for theta in thetas for name, value in theta.items()}, versions
 
+  def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arrays, JSON values) of Theta, the outer states and the versions, for a checkpoint.
+
+    Call it on the thread that installs merges: it reads every fragment at one instant.
+    """
+    with self._lock:
+      theta = [dict(t) for t in self._theta]
+      versions = list(self._versions)
+    opt = [dict(o) for o in self._opt_states]
+    pairs = [(p, n) for p, t in enumerate(theta) for n in t]
+    names = [n for _, n in pairs]
+    arrays = {
+        "theta": {f"{i:04d}": theta[p][n] for i, (p, n) in enumerate(pairs)},
+        "opt": {f"{i:04d}": {f"{j:04d}": leaf for j, leaf in enumerate(jax.tree.leaves(opt[p][n]))}
+                for i, (p, n) in enumerate(pairs)},
+    }
+    return arrays, {"names": names, "versions": versions}
+
+  def load_state(self, arrays: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    """Makes a checkpoint's Theta, outer states and versions current (before any merge runs)."""
+    names = list(values["names"])
+    expected = [n for t in self._theta for n in t]
+    if names != expected:
+      raise ValueError(f"the checkpoint's global model has tensors {names[:3]}..., this run's "
+                       f"{expected[:3]}...: not the same model")
+    by_name = {n: i for i, n in enumerate(names)}
+    with self._lock:
+      for p, theta in enumerate(self._theta):
+        for n in theta:
+          saved = np.asarray(arrays["theta"][f"{by_name[n]:04d}"], np.float32)
+          if saved.shape != theta[n].shape:
+            raise ValueError(f"the checkpoint's {n} has shape {saved.shape}, this model's "
+                             f"{theta[n].shape}")
+          theta[n] = saved
+          treedef = jax.tree.structure(self._opt_states[p][n])
+          leaves = arrays["opt"][f"{by_name[n]:04d}"]
+          self._opt_states[p][n] = jax.device_put(
+              jax.tree.unflatten(treedef, [leaves[k] for k in sorted(leaves)]), self._replicated)
+        self._versions[p] = int(values["versions"][p])
+        if self._keep_history:
+          self._history[p] = {self._versions[p]: dict(theta)}
+
+  def take_newer(self, p: int, version: int, theta: Mapping[str, np.ndarray]) -> bool:
+    """Adopts `theta` as Theta_p at `version` if that is newer than the current one (a restarted
+    syncer taking a live learner's anchor); the outer state stays. Returns whether it did."""
+    with self._lock:
+      if version <= self._versions[p]:
+        return False
+      self._theta[p] = {n: np.asarray(theta[n], np.float32) for n in self._theta[p]}
+      self._versions[p] = int(version)
+      if self._keep_history:
+        self._history[p] = {version: dict(self._theta[p])}
+    return True
+
   def install(self, result: MergeResult, anchored: Iterable[int] = ()) -> int:
     """Makes a merge current; returns Theta_p's new version.
 

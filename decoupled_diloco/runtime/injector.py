@@ -51,11 +51,31 @@ class FaultInjector:
     self._last_call: dict[int, float] = {}
     self._stop = threading.Event()
     self._started_at: float | None = None
+    self._offset_s = 0.0
     self.records: list[dict[str, Any]] = []
 
   def start(self, started_at: float | None = None) -> None:
-    """Training starts (now by default): `second=` triggers count from here."""
-    self._started_at = self._clock() if started_at is None else started_at
+    """Training starts (now by default): `second=` triggers count from here (plus, in a resumed
+    run, the seconds trained before)."""
+    started_at = self._clock() if started_at is None else started_at
+    self._started_at = started_at - self._offset_s
+
+  def resume(self, elapsed_s: float, fired: Sequence[dict[str, Any]],
+             steps: Sequence[int]) -> None:
+    """A resumed run: training had gone on for `elapsed_s` before, the faults in `fired` (their
+    records) have happened, and learner m stands at `steps[m]`. Those faults, the step-triggered
+    ones before where their learner stands, and the random ones before `elapsed_s`, do not fire
+    again. Call before `start`."""
+    done = {(r["fault"], r["learner"], r["source"]) for r in fired}
+    with self._lock:
+      for m, pending in self._pending.items():
+        self._pending[m] = [f for f in pending if (f.kind, m, f.source) not in done
+                            and not (f.step is not None and f.step < steps[m])]
+      for m, upcoming in self._next_random.items():
+        while upcoming.second < elapsed_s:
+          upcoming = next(self._random[m])
+        self._next_random[m] = upcoming
+    self._offset_s = elapsed_s
 
   def stop(self) -> None:
     """Ends any hang at once (the run is shutting down)."""

@@ -147,12 +147,20 @@ class Learner:
       self._anchor_versions = np.zeros(num_fragments, np.int64)
     else:
       self._restore(snapshot, state)
-    self._offers_made = np.zeros(num_fragments, np.int64)  # lock-step: offers pushed per fragment
+    # Lock-step: offers pushed per fragment. Every merge of a lock-step round takes one offer of
+    # every learner, so a restored learner has pushed as many as the versions it holds.
+    self._offers_made = self._anchor_versions.copy()
+    self.start_step = self.step  # where this learner object started (0, a checkpoint, a rejoin)
     self._lock = threading.Lock()  # guards _taken, written by the syncer's thread in offer()
-    # Per fragment, the last offer the syncer took. One is enough: a take succeeds only once every
-    # merge of this learner's earlier steps has been applied (or overwritten), so an older offer
-    # still pending was left out of its round and will never be merged.
+    # Per fragment, the last offer the syncer took. One is enough for the values: a take succeeds
+    # only once every merge of this learner's earlier steps has been applied or an overwrite has
+    # dropped those steps, and a merge that names an offer whose steps were dropped needs no values.
     self._taken: dict[int, messages.Offer] = {}
+    # ... but it needs the counts. Per fragment, (steps, tokens) of every offer taken whose merge
+    # this learner has not heard of yet, by offer step: a merge may name an offer after an
+    # overwrite here dropped (and counted as discarded) its steps, and after a newer offer
+    # replaced it in `_taken`. Integers only; pruned as merges name later offers.
+    self._taken_counts: dict[int, dict[int, tuple[int, int]]] = {}
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     self._finished = False  # made its last step: from then on merges keep unmerged steps
     self._stop = threading.Event()
@@ -167,6 +175,7 @@ class Learner:
     # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
     # taken by any merge): the compute the paper's overwrite discards.
     self.discarded_fragment_steps = 0
+    self._data_state = self._data_position()  # the loader's position after step self.step
     self._published: messages.Publication = self._publication(self._state)
     self._thread = threading.Thread(target=self._run, name=f"learner-{index}", daemon=True)
 
@@ -189,7 +198,7 @@ class Learner:
       return messages.Answer.NOTHING
     offer = self._offer_from(published, p)
     with self._lock:
-      self._taken[p] = offer
+      self._record_taken(offer)
     return offer
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
@@ -332,6 +341,9 @@ class Learner:
       self.steps_made += 1
       self._counter_steps += 1
       self._counter_tokens += tokens
+      # Where the data stands after the new step; until here publications of `current` (one step
+      # behind) went out with the position before this step's batch.
+      self._data_state = self._data_position()
       in_flight = (self.step, tokens, step_metrics)
       if opts.step_delay_s:
         time.sleep(opts.step_delay_s)
@@ -370,7 +382,15 @@ class Learner:
         step=self.step, params=dict(state.params), since=self._since.copy(),
         counter_steps=self._counter_steps.copy(), counter_tokens=self._counter_tokens.copy(),
         anchor_versions=self._anchor_versions.copy(), anchors=dict(self._anchors),
-        training=not self._finished, opt_state=state.opt_state, state_step=state.step)
+        training=not self._finished, opt_state=state.opt_state, state_step=state.step,
+        data_state=self._data_state)
+
+  def data_position(self) -> bytes | None:
+    """The data loader's position now (host state: readable after a failure)."""
+    return self._data_position()
+
+  def _data_position(self) -> bytes | None:
+    return self._batches.get_state() if hasattr(self._batches, "get_state") else None
 
   def _publish(self, state: inner.TrainState) -> messages.Publication:
     self._published = self._publication(state)
@@ -463,6 +483,14 @@ class Learner:
       return jax.device_put(base + (now_host - np.asarray(offered, np.float32)), sharding)
     return _rebase(jax.device_put(base, sharding), now, jax.device_put(offered, sharding))
 
+  def _record_taken(self, offer: messages.Offer) -> None:
+    """Under the lock: the syncer took `offer`."""
+    self._taken[offer.fragment] = offer
+    counts = self._taken_counts.setdefault(offer.fragment, {})
+    counts[offer.step] = (offer.steps, offer.tokens)
+    if len(counts) > 256:  # a learner whose offers keep missing their rounds
+      del counts[min(counts)]
+
   def _merged_record(self, p: int, merged_step: int | None
                      ) -> tuple[messages.Offer | None, bool]:
     """(the taken offer a broadcast of p merged, if its steps are still unmerged here; unknown).
@@ -470,7 +498,19 @@ class Learner:
     A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
     step with the current progress: as if the merge had not taken this learner.
     """
-    if merged_step is None or merged_step <= self._since[p]:
+    if merged_step is None:
+      return None, False
+    with self._lock:
+      counts = self._taken_counts.get(p, {})
+      merged_counts = counts.pop(merged_step, None)
+      for older in [step for step in counts if step < merged_step]:
+        del counts[older]  # in earlier rounds, whose merges are applied: never named now
+    if merged_step <= self._since[p]:
+      if merged_counts is not None:
+        # The syncer took this offer from a publication made before an overwrite here dropped
+        # its steps (counted then as discarded): this merge took them in after all.
+        self.discarded_fragment_steps -= merged_counts[0]
+        self.discarded_fragment_tokens -= merged_counts[1]
       return None, False
     with self._lock:
       taken = self._taken.get(p)
@@ -495,7 +535,7 @@ class Learner:
     for p in due:
       offer = self._offer_from(published, p)
       with self._lock:
-        self._taken[p] = offer
+        self._record_taken(offer)
       self._offers_made[p] += 1
       self._syncer.post(offer)
 

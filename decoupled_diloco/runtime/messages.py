@@ -82,6 +82,9 @@ class Publication:
   # starts from a healthy peer's AdamW moments and step count (spec §6).
   opt_state: Any = None
   state_step: Any = None
+  # The data loader's position at `step` (grain iterator state): the next batch is the one after
+  # this step's. A checkpoint of the publication resumes the data exactly there.
+  data_state: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)

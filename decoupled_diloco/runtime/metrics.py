@@ -32,12 +32,15 @@ def _plain(value: Any) -> Any:
 class MetricsWriter:
   """Appends records to workdir/metrics.jsonl and scalars to TensorBoard under workdir/tb."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_at_s: float | None = None):
+    """`resume_at_s`: a resumed run appends to the earlier records, its times going on from
+    there (TensorBoard reads the new event file after the earlier ones); None starts afresh."""
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self._lock = threading.Lock()
-    self._start = time.monotonic()
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8")
+    self._start = time.monotonic() - (resume_at_s or 0.0)
+    mode = "w" if resume_at_s is None else "a"
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), mode, encoding="utf-8")
     self._tb = SummaryWriter(os.path.join(workdir, "tb")) if tensorboard else None
 
   def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,

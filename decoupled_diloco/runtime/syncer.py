@@ -46,12 +46,16 @@ _FLOAT_BYTES = 4
 
 
 class LearnerLink(Protocol):
-  """What the syncer calls on a learner; neither call waits for the learner's step loop."""
+  """What the syncer calls on a learner; none of it waits for the learner's step loop."""
 
   def offer(self, fragment: int, merged_through: int) -> messages.Offer | messages.Answer:
     ...
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
+    ...
+
+  @property
+  def published(self) -> messages.Publication:  # only for checkpoints (request_cut)
     ...
 
 
@@ -75,6 +79,27 @@ class _Round:
 
 
 _FLUSH = object()  # flush() asks for the final rounds through the inbox
+
+
+@dataclasses.dataclass
+class _CutRequest:
+  """request_cut(): a consistent cut of the syncer and the live learners, or None on timeout."""
+
+  future: concurrent.futures.Future
+  timeout_s: float
+  include_tape: bool
+  asked_at: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncerCut:
+  """The syncer's state and every live learner's publication at one instant, consistent: no
+  merge in flight, and every publication holds exactly the current Theta_p versions."""
+
+  state: dict[str, Any]  # Syncer.state()
+  publications: dict[int, messages.Publication]
+  incarnations: dict[int, int]
+  clock: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +178,7 @@ class Syncer:
     self._lead: int | None = 0  # step of the fastest learner still training
     self._grace = grace_lib.GraceEstimator(sync.ema_decay)
     self._workers = concurrent.futures.ThreadPoolExecutor(num_workers, "syncer-merge")
+    self._cut: _CutRequest | None = None
     self._flush_state = "none"  # none -> requested -> running -> done
     self._flush_done = threading.Event()
     self._stop = threading.Event()
@@ -205,6 +231,62 @@ class Syncer:
       raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error
     return done
 
+  def request_cut(self, timeout_s: float, include_tape: bool = True
+                  ) -> concurrent.futures.Future:
+    """Asks for a consistent cut of the syncer and the live learners (a checkpoint's content).
+
+    How it stays consistent with merges in flight: from the request on, no new round opens (a
+    fragment that falls due is owed, and opened right after the cut); the rounds already open close
+    and their merges are installed and broadcast as usual; then the syncer waits until every live
+    learner has published a state that holds every current Theta_p version (it applies broadcasts
+    at its next step boundary). At that instant no offer is in flight and no merge is half known to
+    any learner, so the learners' publications and the syncer's state describe the same job. The
+    learners never stop; only new merges wait, for about a step. In the lock-step modes, which
+    sync on their own schedule, the syncer instead waits for such an instant between syncs.
+
+    The future's result is a `SyncerCut`, or None if no such instant came within `timeout_s` (a
+    hung learner): the caller tries again later.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._inbox.put(_CutRequest(future, timeout_s, include_tape))
+    return future
+
+  def state(self, include_tape: bool = False) -> dict[str, Any]:
+    """{"arrays", "json"}: everything a restarted syncer needs, read on the syncer's thread (or
+    before it starts). `include_tape` adds the merge tape (a job checkpoint's history)."""
+    arrays, model = self.model.state()
+    values = {
+        "model": model,
+        "merged_through": [[m, p, step] for (m, p), step in sorted(self._merged_through.items())],
+        "clock": self._clock,
+        "lead": self._lead,
+        "learner_steps": {str(m): s for m, s in self._learner_steps.items()},
+        "incarnations": {str(m): i for m, i in self._incarnations.items()},
+        "reported_anchors": {str(m): np.asarray(a).tolist()
+                             for m, a in self._reported_anchors.items()},
+        "grace": grace_lib.to_dict(self._grace),
+        "stats": dataclasses.asdict(self.stats),
+    }
+    if include_tape:
+      values["tape"] = list(self.tape)
+    return {"arrays": arrays, "json": values}
+
+  def load_state(self, state: Mapping[str, Any], *, with_history: bool) -> None:
+    """Restores `state()` before the syncer starts. `with_history`: also the counters and the
+    tape (a resumed job); False for a restarted syncer, whose run keeps its own."""
+    values = state["json"]
+    self.model.load_state(state["arrays"], values["model"])
+    self._merged_through = {(int(m), int(p)): int(step)
+                            for m, p, step in values["merged_through"]}
+    self._clock = int(values["clock"])
+    self._lead = values["lead"]
+    self._grace = grace_lib.from_dict(values["grace"])
+    if with_history:
+      stats = dict(values["stats"])
+      rejected = {**self.stats.rejected_offers, **stats.pop("rejected_offers", {})}
+      self.stats = SyncerStats(**stats, rejected_offers=rejected)
+      self.tape = list(values.get("tape", []))
+
   def global_params(self) -> dict[str, np.ndarray]:
     """The global model Theta (all fragments)."""
     return self.model.params()
@@ -237,10 +319,13 @@ class Syncer:
         self._collect_landed_offers()
         self._close_ready_rounds()
         self._advance_flush()
+        self._advance_cut()
     except BaseException as err:  # pylint: disable=broad-except
       self.error = err
       logging.exception("syncer failed")
       self._flush_done.set()
+      if self._cut is not None:
+        self._cut.future.set_result(None)
 
   def _wait_timeout(self) -> float:
     if any(r.copying for r in self._rounds.values()):
@@ -268,6 +353,12 @@ class Syncer:
   def _handle(self, message: Any) -> None:
     if message is _FLUSH:
       self._flush_state = "requested"
+      return
+    if isinstance(message, _CutRequest):
+      if self._cut is not None:
+        self._cut.future.set_result(None)  # superseded
+      message.asked_at = time.monotonic()
+      self._cut = message
       return
     if self._from_earlier_incarnation(message):
       return
@@ -364,6 +455,8 @@ class Syncer:
     if p in self._rounds or p in self._merging:
       self.stats.due_while_in_flight += 1
       self._owed.add(p)
+    elif self._cut is not None:
+      self._owed.add(p)  # opened right after the cut (request_cut)
     else:
       self._open_round(p, self._clock)
 
@@ -467,7 +560,7 @@ class Syncer:
         lambda f: self._inbox.put(_MergeDone(round_, offers, closed_at, f)))
 
   def _open_owed(self, p: int) -> None:
-    if p in self._owed:
+    if p in self._owed and self._cut is None:
       self._owed.discard(p)
       if self._flush_state == "none":
         self._open_round(p, self._clock)
@@ -481,6 +574,33 @@ class Syncer:
     elif self._flush_state == "running" and not self._rounds and not self._merging:
       self._flush_state = "done"
       self._flush_done.set()
+
+  def _advance_cut(self) -> None:
+    """Takes the cut asked for once no merge is in flight and every live learner holds every
+    current version (request_cut); gives up after its timeout."""
+    request = self._cut
+    if request is None:
+      return
+    cut = None
+    if not self._rounds and not self._merging and self._flush_state in ("none", "done"):
+      versions = np.asarray(self.model.versions)
+      with self._lock:
+        live = sorted(self._live)
+      publications = {m: self._learners[m].published for m in live}
+      if all(np.array_equal(pub.anchor_versions, versions) for pub in publications.values()):
+        cut = SyncerCut(self.state(include_tape=request.include_tape), publications,
+                        {m: self._incarnations.get(m, 0) for m in live}, self._clock)
+    timed_out = time.monotonic() - request.asked_at > request.timeout_s
+    if cut is None and not timed_out:
+      return
+    if cut is None:
+      logging.warning("syncer: no consistent cut within %.1f s (a learner did not apply the "
+                      "latest merges); the checkpoint is tried again later", request.timeout_s)
+    self._cut = None
+    request.future.set_result(cut)
+    for p in sorted(self._owed):
+      if p not in self._rounds and p not in self._merging:
+        self._open_owed(p)
 
   def _compute_merge(self, p: int,
                      offers: tuple[messages.Offer, ...]) -> global_model_lib.MergeResult:

@@ -11,10 +11,13 @@ config: no field can skip validation, and a misspelt field cannot silently read 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
 import resource
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +34,10 @@ from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import evaluate
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import injector as injector_lib
+from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import supervisor as supervisor_lib
@@ -55,6 +60,47 @@ class Run:
   compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
   injector: injector_lib.FaultInjector | None = None  # config.chaos
   supervisor: supervisor_lib.Supervisor | None = None  # restarts failed learners
+  checkpoints: checkpoints_lib.Checkpoints | None = None  # where the run writes its checkpoints
+  # The run so far when it resumed from a checkpoint (job_state.empty_history() otherwise).
+  history: dict[str, Any] = dataclasses.field(default_factory=dict)
+  restored: checkpoints_lib.RestoredCheckpoint | None = None
+
+
+class Interrupted(Exception):
+  """The run was stopped by SIGTERM or Ctrl-C after writing a checkpoint (or with none to write)."""
+
+  def __init__(self, signum: int, message: str):
+    super().__init__(message)
+    self.signum = signum
+
+
+def _open_checkpoints(settings: settings_lib.RunSettings
+                      ) -> tuple[checkpoints_lib.Checkpoints, checkpoints_lib.RestoredCheckpoint | None]:
+  """The run's checkpoint directory, and the checkpoint it resumes from (config.restore).
+
+  Reads before anything compiles, so a missing or foreign checkpoint fails at once.
+  """
+  ck = settings.checkpoint
+  fingerprint = checkpoints_lib.fingerprint(settings)
+  target = checkpoints_lib.Checkpoints(ck.dir, ck.keep, fingerprint)
+  source_dir, number = checkpoints_lib.locate(settings.restore, ck.dir)
+  source = target if source_dir == ck.dir else checkpoints_lib.Checkpoints(
+      source_dir, ck.keep, fingerprint)
+  if settings.restore == "none":
+    if target.steps():
+      raise checkpoints_lib.CheckpointError(
+          f"config.restore='none' but {ck.dir} holds checkpoints {target.steps()}: a fresh run "
+          f"would mix with them. Use another config.workdir or config.checkpoint.dir, remove "
+          f"them, or resume (config.restore=auto)")
+    return target, None
+  if settings.restore == "auto" and not source.steps():
+    return target, None
+  restored = source.restore_job(number)
+  if restored is None:
+    raise checkpoints_lib.CheckpointError(
+        f"config.restore={settings.restore!r}: no checkpoint in {source_dir}")
+  logging.info("resuming from %s (clock %d)", restored.path, restored.cut.clock)
+  return target, restored
 
 
 def build(settings: settings_lib.RunSettings, *,
@@ -62,10 +108,17 @@ def build(settings: settings_lib.RunSettings, *,
           with_syncer: bool = True) -> Run:
   """Partitions devices, builds learners and syncer and compiles their steps."""
   start = time.perf_counter()
+  saver, restored = _open_checkpoints(settings)
+  history = job_state.empty_history(settings.num_learners)
+  if restored is not None:
+    history.update(restored.cut.history)
+    history["resumes"] = list(history["resumes"]) + [
+        {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped}]
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
       settings.learner_mesh_shapes, settings.syncer.num_devices, settings.devices.platform)
-  metrics = metrics_lib.MetricsWriter(settings.workdir)
+  metrics = metrics_lib.MetricsWriter(
+      settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None)
   data = settings.data
   train_tokens, eval_tokens = data_lib.split_tokens(data_lib.load_tokens(data.path),
                                                     data.eval_fraction)
@@ -122,6 +175,9 @@ def build(settings: settings_lib.RunSettings, *,
         metrics=metrics)
     syncer.compile()
     compile_seconds["syncer_compile_s"] = syncer.compile_seconds
+    if restored is not None:
+      syncer.load_state(restored.cut.syncer, with_history=True)
+  learner_cuts = _learner_cuts(restored, history, syncer, layout) if restored else {}
   learners = []
   for index, (train_step, state, shardings, batches) in enumerate(built):
     options = learner_lib.LearnerOptions(
@@ -134,13 +190,17 @@ def build(settings: settings_lib.RunSettings, *,
         log_every=settings.log_every,
         wait_timeout_s=settings.stall_timeout_s,
     )
+    cut = learner_cuts.get(index)
     learner = learner_lib.Learner(
         index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
         fragments=fragments, syncer=syncer, metrics=metrics, step_hook=step_hook, layout=layout,
-        options=options)
+        options=options,
+        snapshot=job_state.learner_snapshot(cut, state) if cut is not None else None,
+        incarnation=cut.incarnation if cut is not None else 0)
     learners.append(learner)
     if syncer is not None:
-      syncer.attach(index, learner)
+      syncer.attach(index, learner, step=learner.step, incarnation=learner.incarnation,
+                    anchor_versions=learner.counters().anchor_versions if cut else None)
   # The global model is evaluated where the model lives: on learner 0's mesh, sharded the way that
   # learner shards it (in dp mode, the whole learner mesh). Never on the host CPU, where a model
   # sharded over many chips would not fit. Evaluations during training borrow learner 0's devices.
@@ -154,9 +214,37 @@ def build(settings: settings_lib.RunSettings, *,
         learners, syncer, init_opt_state=jax.jit(tx.init),
         repaired_at=injector.repaired_at if injector is not None else lambda _: 0.0,
         max_restarts=settings.max_restarts, metrics=metrics)
+    supervisor.restarts = list(history["restarts"])
+    supervisor.start_steps = list(history["start_steps"])
+  if injector is not None and restored is not None:
+    injector.resume(history["train_seconds"], history["faults"], [l.step for l in learners])
   return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
-             injector, supervisor)
+             injector, supervisor, saver if settings.checkpoint.every_steps else None,
+             history, restored)
+
+
+def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
+                  syncer: syncer_lib.Syncer | None, layout: model_lib.ParamLayout
+                  ) -> dict[int, checkpoints_lib.LearnerCut]:
+  """Each learner's state in the checkpoint; one absent from it (it had failed and was waiting
+  for its repair when the cut was taken) rejoins from a peer's state and the syncer's Theta."""
+  cuts = {c.index: c for c in restored.cut.learners}
+  absent = [m for m in range(len(history["steps_made"])) if m not in cuts]
+  if absent and (syncer is None or not cuts):
+    raise checkpoints_lib.CheckpointError(
+        f"{restored.path} holds no state of learner(s) {absent} and no peer to rejoin from")
+  for m in absent:
+    peer = max(cuts.values(), key=lambda c: c.step)
+    theta, versions = syncer.model.received()
+    data_state = history.get("absent_data", {}).get(str(m))
+    incarnation = history["incarnations"][m] + 1
+    cuts[m] = job_state.rejoin_cut(m, incarnation, peer, layout.to_native(theta), theta, versions,
+                                   data_state.encode() if data_state else None)
+    history["incarnations"][m], history["start_steps"][m] = incarnation, peer.step
+    logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
+                 "step %d and the syncer's Theta", m, peer.index, peer.step)
+  return cuts
 
 
 def _chain_hooks(*hooks):
@@ -188,32 +276,42 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
 
   Any failure of the syncer, a stall of every learner for `config.stall_timeout_s`, or a Ctrl-C
   stops every learner and the syncer before the error propagates: no thread trains on alone.
+  SIGTERM or a first Ctrl-C (from the main thread's handlers) writes a checkpoint first and
+  raises `Interrupted`; a second one exits at once.
   """
   settings, learners, syncer = run.settings, run.learners, run.syncer
   start = time.perf_counter()
-  evals: list[dict[str, Any]] = []
+  evals: list[dict[str, Any]] = list(run.history["evals"])
+  saver = _Checkpointer(run, evals, start)
+  stop = _StopSignal()
   try:
+    stop.install()
     if syncer is not None:
       syncer.start()
     started = time.monotonic()  # the origin of the fault and failure records' seconds
+    saver.train_started = time.perf_counter()
     if run.injector is not None:
       run.injector.start(started)
     if run.supervisor is not None:
       run.supervisor.start(started)
     for learner in learners:
       learner.start()
-    _train_until_done(run, evals, progress)
+    _train_until_done(run, evals, progress, saver, stop)
+    if stop.signum is not None:
+      _stop_with_checkpoint(run, saver, stop.signum)
     if run.injector is not None:
       run.injector.stop()
     if run.supervisor is not None:
       run.supervisor.stop()
       _check_supervisor(run.supervisor)
-    train_seconds = time.perf_counter() - start
+    train_seconds = time.perf_counter() - saver.train_started
     if syncer is not None:
       # Merge what every learner did since its last sync, so the global model holds all the work.
       if not syncer.flush(timeout=run.settings.stall_timeout_s):
         raise RuntimeError(f"the final flush did not finish within config.stall_timeout_s="
                            f"{run.settings.stall_timeout_s} s")
+    # The final checkpoint: a run resumed from it has nothing left to train.
+    saver.save_now(timeout_s=run.settings.stall_timeout_s, train_seconds=train_seconds)
     for learner in learners:
       learner.release()
     for learner in learners:
@@ -222,12 +320,18 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       syncer.stop()
       syncer.join()
       _check_syncer(syncer)
+    saver.close()
   except BaseException:
     _shut_down(run)
+    saver.close(raise_errors=False)
     raise
+  finally:
+    stop.uninstall()
   final = _evaluate(run, max(l.step for l in learners), final=True)
   evals.append(final)
-  summary = _summary(run, evals, train_seconds, time.perf_counter() - start)
+  train_seconds += run.history["train_seconds"]
+  wall_seconds = time.perf_counter() - start + run.history["wall_seconds"]
+  summary = _summary(run, evals, train_seconds, wall_seconds, saver)
   run.metrics.flush()
   with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
@@ -239,16 +343,195 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   return summary
 
 
-def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> None:
-  """Watches the learners until every one has made its last step (or failed)."""
+class _StopSignal:
+  """SIGTERM / SIGINT handlers of the main thread: the first asks for a checkpoint and a clean
+  stop, a second one exits at once. Elsewhere (a run started from another thread) it does
+  nothing: signals reach only the main thread."""
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def install(self) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      self._previous[signum] = signal.signal(signum, self._handle)
+
+  def uninstall(self) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous.clear()
+
+  def _handle(self, signum: int, frame) -> None:
+    del frame
+    if self.signum is not None:
+      logging.error("%s again: exiting at once, without a checkpoint",
+                    signal.Signals(signum).name)
+      logging.flush()
+      os._exit(128 + signum)  # pylint: disable=protected-access
+    self.signum = signum
+    logging.warning("%s: writing a checkpoint, then stopping (send it again to exit at once)",
+                    signal.Signals(signum).name)
+
+
+def _stop_with_checkpoint(run: Run, saver: "_Checkpointer", signum: int) -> None:
+  name = signal.Signals(signum).name
+  if run.checkpoints is None:
+    raise Interrupted(signum, f"stopped by {name} at step {max(l.step for l in run.learners)}; "
+                              "no checkpoint written (config.checkpoint.every_steps=0)")
+  path = saver.save_now(timeout_s=run.settings.stall_timeout_s,
+                        train_seconds=time.perf_counter() - saver.train_started)
+  saver.close()
+  if path is None:
+    raise Interrupted(signum, f"stopped by {name}; no consistent checkpoint could be taken, the "
+                              f"newest on disk is in {run.checkpoints.directory}")
+  raise Interrupted(signum, f"stopped by {name}; checkpoint written to {path}: run the same "
+                            "command again to resume (config.restore=auto)")
+
+
+class _Checkpointer:
+  """Takes the job's checkpoints: every config.checkpoint.every_steps of the clock, the final
+  one, and one on a stop signal. A cut is asked of the syncer (dp mode: the learner's latest
+  publication is one) and written in the background while the learners train."""
+
+  def __init__(self, run: Run, evals: list[dict[str, Any]], started: float):
+    self._run = run
+    self._evals = evals
+    self._started = started
+    self.train_started = started
+    every = run.settings.checkpoint.every_steps
+    clock = max((l.step for l in run.learners), default=0)
+    self._next = (clock // every + 1) * every if every else None
+    self._pending: tuple[concurrent.futures.Future, int] | None = None
+
+  def tick(self, clock: int) -> None:
+    """From the controller's loop: asks for a cut when one is due, writes it when it comes."""
+    run = self._run
+    if run.checkpoints is None:
+      return
+    if self._pending is not None:
+      future, _ = self._pending
+      if future.done():
+        self._pending = None
+        self._write(future.result())
+      return
+    if clock < self._next or clock >= run.settings.num_steps:
+      return  # the final checkpoint is taken after the flush
+    if run.supervisor is not None and run.supervisor.pending:
+      return  # a learner is down: the cut waits until it is back
+    self._next += run.settings.checkpoint.every_steps
+    self._pending = (self._ask(timeout_s=self._cut_timeout()), clock)
+
+  def save_now(self, timeout_s: float, train_seconds: float) -> str | None:
+    """Takes a cut now and starts writing it; returns its path (None: no checkpoint)."""
+    run = self._run
+    if run.checkpoints is None:
+      return None
+    if self._pending is not None:
+      self._pending[0].result(timeout=timeout_s)  # superseded below
+      self._pending = None
+    cut = self._ask(timeout_s=timeout_s).result(timeout=timeout_s + 5)
+    return self._write(cut, train_seconds=train_seconds)
+
+  def _cut_timeout(self) -> float:
+    times = [np.mean(l.step_times[-10:]) for l in self._run.learners if l.step_times]
+    return max(5.0, 10.0 * max(times, default=0.0))
+
+  def _ask(self, timeout_s: float) -> concurrent.futures.Future:
+    run = self._run
+    if run.syncer is not None:
+      return run.syncer.request_cut(timeout_s)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    learner = run.learners[0]  # dp: a publication is a consistent state by itself
+    future.set_result(syncer_lib.SyncerCut(None, {0: learner.published},
+                                           {0: learner.incarnation}, learner.step))
+    return future
+
+  def _write(self, cut: syncer_lib.SyncerCut | None, train_seconds: float | None = None
+             ) -> str | None:
+    run = self._run
+    if cut is None:
+      return None
+    if train_seconds is None:
+      train_seconds = time.perf_counter() - self.train_started
+    learners = [job_state.learner_cut(m, cut.incarnations[m], pub)
+                for m, pub in sorted(cut.publications.items())]
+    clock = max([c.step for c in learners] + [cut.clock])
+    job = checkpoints_lib.JobCut(clock, learners, cut.state,
+                                 self._history(cut, train_seconds))
+    run.checkpoints.save_job(job)
+    path = os.path.join(run.checkpoints.directory, "job", str(clock))
+    run.metrics.write("checkpoint", {"clock": clock, "path": path,
+                                     "learners": sorted(cut.publications)})
+    logging.info("checkpoint of step %d: %s (written in the background)", clock, path)
+    return path
+
+  def _history(self, cut: syncer_lib.SyncerCut, train_seconds: float) -> dict[str, Any]:
+    """The run so far, as of the cut: what a run resumed from it adds its own to."""
+    run, base = self._run, self._run.history
+    supervisor = run.supervisor
+    retired = supervisor.retired if supervisor is not None else []
+    steps_made, discarded_steps, discarded_tokens, absent_data = [], [], [], {}
+    for m, current in enumerate(run.learners):
+      this_run = [l for l in retired if l.index == m]
+      made = sum(l.steps_made for l in this_run)
+      if m in cut.publications and current not in retired:
+        made += cut.publications[m].step - current.start_step
+        this_run.append(current)
+      else:
+        absent_data[str(m)] = (current.data_position() or b"").decode()
+      steps_made.append(base["steps_made"][m] + made)
+      discarded_steps.append(base["discarded_fragment_steps"][m] +
+                             sum(l.discarded_fragment_steps for l in this_run))
+      discarded_tokens.append(base["discarded_fragment_tokens"][m] +
+                              sum(l.discarded_fragment_tokens for l in this_run))
+    faults = [dict(f) for f in run.injector.records] if run.injector is not None else []
+    failures = supervisor.summary_records() if supervisor is not None else []
+    return {
+        "steps_made": steps_made,
+        "discarded_fragment_steps": discarded_steps,
+        "discarded_fragment_tokens": discarded_tokens,
+        "incarnations": [l.incarnation for l in run.learners],
+        "start_steps": list(supervisor.start_steps) if supervisor else list(base["start_steps"]),
+        "restarts": list(supervisor.restarts) if supervisor else list(base["restarts"]),
+        "evals": list(self._evals),
+        "faults": list(base["faults"]) + faults,
+        "failures": list(base["failures"]) + failures,
+        "train_seconds": base["train_seconds"] + train_seconds,
+        "wall_seconds": base["wall_seconds"] + time.perf_counter() - self._started,
+        "resumes": list(base["resumes"]),
+        "absent_data": absent_data,
+    }
+
+  def close(self, raise_errors: bool = True) -> None:
+    run = self._run
+    if run.checkpoints is None:
+      return
+    try:
+      run.checkpoints.close()
+    except Exception:  # pylint: disable=broad-except
+      if raise_errors:
+        raise
+      logging.exception("writing a checkpoint failed")
+
+
+def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
+                      saver: _Checkpointer, stop: _StopSignal) -> None:
+  """Watches the learners until every one has made its last step (or failed), or a stop signal."""
   settings, learners, syncer = run.settings, run.learners, run.syncer
   stall_timeout = settings.stall_timeout_s
-  next_log, next_eval = settings.log_every, settings.eval_every or None
+  clock = max(l.step for l in learners)
+  next_log = (clock // settings.log_every + 1) * settings.log_every
+  next_eval = (clock // settings.eval_every + 1) * settings.eval_every if settings.eval_every \
+      else None
   last_steps, last_change = -1, time.monotonic()
   supervisor = run.supervisor
   while not all(l.finished_training.is_set() for l in learners) or (
       supervisor is not None and supervisor.pending):
     time.sleep(0.05)
+    if stop.signum is not None:
+      return
     _check_syncer(syncer)
     _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)
@@ -267,6 +550,7 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool) -> 
     if next_eval is not None and clock >= next_eval and clock < settings.num_steps:
       evals.append(_evaluate(run, clock))
       next_eval += settings.eval_every
+    saver.tick(clock)
 
 
 def _check_supervisor(supervisor: supervisor_lib.Supervisor | None) -> None:
@@ -332,8 +616,10 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
   logging.info(line)
 
 
-def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict[str, Any]:
-  learners, syncer = run.learners, run.syncer
+def _summary(run: Run, evals, train_seconds: float, wall_seconds: float,
+             saver: _Checkpointer) -> dict[str, Any]:
+  """The whole run's summary: a resumed run adds what it did to the checkpoint's history."""
+  learners, syncer, history = run.learners, run.syncer, run.history
   tokens_per_step = run.settings.learner_batch_size * run.settings.data.seq_len
   stats = syncer.stats if syncer is not None else syncer_lib.SyncerStats()
   tape = syncer.tape if syncer is not None else []
@@ -342,7 +628,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
   supervisor = run.supervisor
   retired = supervisor.retired if supervisor is not None else []
   incarnations = learners + retired  # every learner that ever trained
-  steps_made = [sum(l.steps_made for l in incarnations if l.index == m)
+  steps_made = [history["steps_made"][m] + sum(l.steps_made for l in incarnations if l.index == m)
                 for m in range(len(learners))]
   summary = {
       "mode": run.settings.mode,
@@ -381,8 +667,13 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "double_merged_offers": tape_lib.double_merged_offers(tape),
       # Share of each learner's fragment-steps that the paper's overwrite on receive discarded.
       "discarded_progress": [
-          sum(l.discarded_fragment_steps for l in incarnations if l.index == m)
+          (history["discarded_fragment_steps"][m] +
+           sum(l.discarded_fragment_steps for l in incarnations if l.index == m))
           / max(steps_made[m] * num_fragments, 1) for m in range(len(learners))],
+      # Checkpoints: the ones this run wrote, and every resume of the run with what it skipped.
+      "checkpoints_written": [c for c in run.checkpoints.saved if c["kind"] == "job"]
+                             if run.checkpoints is not None else [],
+      "resumes": history["resumes"],
       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       "device_peak_bytes": _device_peak_bytes(run),
   }
@@ -397,14 +688,17 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
 def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) -> dict[str, Any]:
   """Faults, restarts and where every token went (spec §6)."""
   supervisor, stats = run.supervisor, run.syncer.stats
-  failures = supervisor.summary_records() if supervisor is not None else []
+  history = run.history
+  failures = [dict(f) for f in history["failures"]] + (
+      supervisor.summary_records() if supervisor is not None else [])
   lost = 0
   for failure in failures:
     failure["lost_fragment_tokens"] = sum(failure.pop("counter_tokens")) - (
         tape_lib.merged_after_failure(tape, failure["learner"], failure["incarnation"],
                                       failure.pop("anchor_versions")))
     lost += failure["lost_fragment_tokens"]
-  faults = [dict(f) for f in run.injector.records] if run.injector is not None else []
+  faults = [dict(f) for f in history["faults"]] + (
+      [dict(f) for f in run.injector.records] if run.injector is not None else [])
   for fault in faults:
     if fault["fault"] == "crash":
       healed = [r for r in failures if r["learner"] == fault["learner"]
@@ -418,7 +712,8 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
   accounting = {
       "made": int(sum(steps_made) * tokens_per_step * num_fragments),
       "merged": int(sum(sum(r["tokens"]) for r in tape)),
-      "discarded": int(sum(l.discarded_fragment_tokens for l in incarnations)),
+      "discarded": int(sum(history["discarded_fragment_tokens"]) +
+                       sum(l.discarded_fragment_tokens for l in incarnations)),
       "lost_at_failures": int(lost),
       "unmerged_at_end": int(sum(l.counters().tokens.sum() for l in run.learners
                                  if l not in incarnations[len(run.learners):])),
