@@ -32,7 +32,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Faults to inject (decoupled mode), see decoupled_diloco/runtime/chaos.py. E.g.
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
-  # Injected today: crash, hang, slow. Random crashes: mtbf_s > 0 per learner, exponential; repairs
+  # Injected today: crash, hang, slow, syncer_crash (restarted from checkpoint.dir/syncer and the
+  # learners' newest Theta_p). Random crashes: mtbf_s > 0 per learner, exponential; repairs
   # Weibull with mean repair_s and shape repair_shape (the goodput simulator's model).
   config.chaos = ml_collections.ConfigDict()
   config.chaos.schedule = ""

@@ -21,8 +21,9 @@ from absl import logging
 
 from decoupled_diloco.runtime import chaos
 
-# The kinds this runtime fires. The others parse (chaos.KINDS) but are refused at start-up.
-INJECTED_KINDS = ("crash", "hang", "slow")
+# The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`). The others
+# parse (chaos.KINDS) but are refused at start-up.
+INJECTED_KINDS = ("crash", "hang", "slow", "syncer_crash")
 
 
 class LearnerFailure(RuntimeError):
@@ -43,6 +44,8 @@ class FaultInjector:
     self._on_fault = on_fault
     self._lock = threading.Lock()
     self._pending = {m: [f for f in faults if f.learner == m] for m in range(num_learners)}
+    # Fired by the controller (`syncer_keeper.SyncerKeeper`), not on a learner's thread.
+    self.syncer_faults = [f for f in faults if f.kind == "syncer_crash"]
     self._random = {m: random_crashes.crashes(m) for m in range(num_learners)
                     } if random_crashes is not None and random_crashes.enabled else {}
     self._next_random = {m: next(gen) for m, gen in self._random.items()}

@@ -38,12 +38,13 @@ from decoupled_diloco.runtime import syncer as syncer_lib
 class Supervisor:
   """Watches the learners; replaces a failed one with its next incarnation once repaired."""
 
-  def __init__(self, learners: list[learner_lib.Learner], syncer: syncer_lib.Syncer, *,
+  def __init__(self, learners: list[learner_lib.Learner],
+               syncer: Callable[[], syncer_lib.Syncer | None], *,
                init_opt_state: Callable[[Any], Any], repaired_at: Callable[[int], float],
                max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
                clock: Callable[[], float] = time.monotonic):
     self.learners = learners  # the run's list: a restart replaces its entry
-    self._syncer = syncer
+    self._syncer = syncer  # the running syncer; None while it is down (a rejoin then waits)
     self._init_opt_state = init_opt_state
     self._repaired_at = repaired_at
     self._max_restarts = max_restarts
@@ -106,7 +107,7 @@ class Supervisor:
     for m, learner in enumerate(self.learners):
       if learner.error is not None and m not in self._failed and learner not in self.retired:
         self._on_failure(m, learner, now)
-      if m in self._failed and now >= self._repaired_at(m):
+      if m in self._failed and now >= self._repaired_at(m) and self._syncer() is not None:
         self._rejoin(m)
         restarted = True
       record = self._waiting_first_step.get(m)
@@ -153,7 +154,8 @@ class Supervisor:
     failed = self.learners[m]
     failed.join(timeout=10)  # it has failed; its thread is only posting its exit
     repaired = self._clock()
-    theta, versions = self._syncer.model.received()
+    syncer = self._syncer()
+    theta, versions = syncer.model.received()
     layout = failed.layout
     params = layout.to_native(theta)
     peer = self._healthy_peer(m)
@@ -178,7 +180,7 @@ class Supervisor:
     self.learners[m] = new
     self.start_steps[m] = step
     self.restarts[m] += 1
-    self._syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
+    syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
     new.start()
     theta_bytes = sum(int(v.nbytes) for v in theta.values())
     opt_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize

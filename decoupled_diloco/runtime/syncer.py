@@ -79,6 +79,12 @@ class _Round:
 
 
 _FLUSH = object()  # flush() asks for the final rounds through the inbox
+_CATCH_UP = object()  # a restarted syncer opens a round for every fragment
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateRequest:
+  future: concurrent.futures.Future
 
 
 @dataclasses.dataclass
@@ -179,6 +185,10 @@ class Syncer:
     self._grace = grace_lib.GraceEstimator(sync.ema_decay)
     self._workers = concurrent.futures.ThreadPoolExecutor(num_workers, "syncer-merge")
     self._cut: _CutRequest | None = None
+    # After a restart: per fragment, the version an offer's anchor must have reached (the learner
+    # has applied every merge this syncer knows of, including those its predecessor made after
+    # its last checkpoint, whose steps `_merged_through` may not show).
+    self._min_anchor = np.zeros(len(fragments), np.int64)
     self._flush_state = "none"  # none -> requested -> running -> done
     self._flush_done = threading.Event()
     self._stop = threading.Event()
@@ -251,6 +261,39 @@ class Syncer:
     self._inbox.put(_CutRequest(future, timeout_s, include_tape))
     return future
 
+  def request_state(self) -> concurrent.futures.Future:
+    """The syncer's `state()` as read on its own thread (a syncer checkpoint's content)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._inbox.put(_StateRequest(future))
+    return future
+
+  def recover(self, state: Mapping[str, Any] | None,
+              publications: Mapping[int, messages.Publication], *, stats: SyncerStats,
+              tape: list[dict[str, Any]]) -> dict[str, Any]:
+    """A restarted syncer, before it starts: its predecessor's newest checkpointed state (None:
+    none, the initial one), then for every fragment the newest Theta_p a live learner holds as its
+    anchor if that is newer (every merge the predecessor installed was sent to every live learner,
+    so the newest anchors hold them all). Only the outer state since the checkpoint is lost.
+    `stats` and `tape`, the record of what happened, carry over. Returns what was restored."""
+    if state is not None:
+      self.load_state(state, with_history=False)
+    self.stats, self.tape = stats, tape
+    restored_versions = list(self.model.versions)
+    from_learners = []
+    for p, fragment in enumerate(self.model.fragments):
+      newest = max(publications.values(), key=lambda pub: pub.anchor_versions[p], default=None)
+      if newest is not None and self.model.take_newer(
+          p, int(newest.anchor_versions[p]), {n: newest.anchors[n] for n in fragment.names}):
+        from_learners.append(p)
+    self._min_anchor = np.asarray(self.model.versions, np.int64)
+    self._lead = None  # the clock goes on from the learners' next reports, without a burst
+    return {"checkpoint_versions": restored_versions, "versions": list(self.model.versions),
+            "fragments_from_learners": from_learners}
+
+  def catch_up(self) -> None:
+    """Opens a round for every fragment (after a restart: none was merged while it was down)."""
+    self._inbox.put(_CATCH_UP)
+
   def state(self, include_tape: bool = False) -> dict[str, Any]:
     """{"arrays", "json"}: everything a restarted syncer needs, read on the syncer's thread (or
     before it starts). `include_tape` adds the merge tape (a job checkpoint's history)."""
@@ -281,6 +324,7 @@ class Syncer:
     self._clock = int(values["clock"])
     self._lead = values["lead"]
     self._grace = grace_lib.from_dict(values["grace"])
+    self._incarnations = {int(m): int(i) for m, i in values["incarnations"].items()}
     if with_history:
       stats = dict(values["stats"])
       rejected = {**self.stats.rejected_offers, **stats.pop("rejected_offers", {})}
@@ -354,6 +398,19 @@ class Syncer:
     if message is _FLUSH:
       self._flush_state = "requested"
       return
+    if isinstance(message, _StateRequest):
+      message.future.set_result(self.state())
+      return
+    if message is _CATCH_UP:
+      if self._flush_state == "none":
+        for p in range(len(self.model.fragments)):
+          if p in self._rounds or p in self._merging:
+            continue
+          if self._cut is not None:
+            self._owed.add(p)
+          else:
+            self._open_round(p, self._clock)
+      return
     if isinstance(message, _CutRequest):
       if self._cut is not None:
         self._cut.future.set_result(None)  # superseded
@@ -406,7 +463,7 @@ class Syncer:
 
   def _attach(self, message: _Attach) -> None:
     m = message.learner
-    restarted = m in self._incarnations
+    restarted = self._incarnations.get(m, message.incarnation) != message.incarnation
     with self._lock:
       self._live.add(m)  # here, not in attach(): no round may ask its link before it is known
     self._incarnations[m] = message.incarnation
@@ -424,7 +481,11 @@ class Syncer:
         if version > held:
           message.link.deliver(messages.Broadcast(p, version, wire))
     self._advance_clock()
-    self._training.add(m)
+    published = getattr(message.link, "published", None)
+    if published is None or published.training:
+      # A learner that finished while no syncer listened (its TrainingDone was lost) is not
+      # training; one that finishes from now on says so after this.
+      self._training.add(m)
 
   def _drop_offers_of(self, m: int) -> None:
     for round_ in self._rounds.values():
@@ -479,7 +540,8 @@ class Syncer:
           continue
         merged_through = self._merged_through.get((m, p), 0)
         answer = self._learners[m].offer(p, merged_through)
-        if isinstance(answer, messages.Offer) and answer.since < merged_through:
+        if isinstance(answer, messages.Offer) and (
+            answer.since < merged_through or answer.anchor_version < self._min_anchor[p]):
           answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
         if isinstance(answer, messages.Offer):
           round_.copying[m] = (answer, time.monotonic())

@@ -42,6 +42,7 @@ from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
+from decoupled_diloco.runtime import syncer_keeper as keeper_lib
 
 
 @dataclasses.dataclass
@@ -64,6 +65,9 @@ class Run:
   # The run so far when it resumed from a checkpoint (job_state.empty_history() otherwise).
   history: dict[str, Any] = dataclasses.field(default_factory=dict)
   restored: checkpoints_lib.RestoredCheckpoint | None = None
+  # Saves the syncer's state and restarts it after a crash (decoupled mode); its `syncer` is the
+  # current one, which `execute` keeps in `syncer`.
+  keeper: keeper_lib.SyncerKeeper | None = None
 
 
 class Interrupted(Exception):
@@ -164,16 +168,23 @@ def build(settings: settings_lib.RunSettings, *,
         train_tokens, seq_len=data.seq_len, batch_size=settings.learner_batch_size,
         shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
     built.append((train_step, state, shardings, iter(loader)))
-  syncer = None
-  if sync is not None:
-    syncer = syncer_lib.Syncer(
+  syncer, port = None, None
+
+  def make_syncer() -> syncer_lib.Syncer:
+    """A syncer at the initial Theta, compiled (at start-up, and again after a crash)."""
+    made = syncer_lib.Syncer(
         sync=sync, fragments=fragments, initial_params=layout.to_flat(initial), mesh=syncer_mesh,
         outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
                                             settings.outer.momentum),
         merge=settings.merge, compression=settings.compression,
         num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
         metrics=metrics)
-    syncer.compile()
+    made.compile()
+    return made
+
+  if sync is not None:
+    syncer = make_syncer()
+    port = keeper_lib.SyncerPort(syncer)
     compile_seconds["syncer_compile_s"] = syncer.compile_seconds
     if restored is not None:
       syncer.load_state(restored.cut.syncer, with_history=True)
@@ -193,7 +204,7 @@ def build(settings: settings_lib.RunSettings, *,
     cut = learner_cuts.get(index)
     learner = learner_lib.Learner(
         index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
-        fragments=fragments, syncer=syncer, metrics=metrics, step_hook=step_hook, layout=layout,
+        fragments=fragments, syncer=port, metrics=metrics, step_hook=step_hook, layout=layout,
         options=options,
         snapshot=job_state.learner_snapshot(cut, state) if cut is not None else None,
         incarnation=cut.incarnation if cut is not None else 0)
@@ -208,10 +219,15 @@ def build(settings: settings_lib.RunSettings, *,
   started = time.perf_counter()
   evaluator.compile()
   compile_seconds["eval_compile_s"] = time.perf_counter() - started
-  supervisor = None
+  supervisor, keeper = None, None
   if syncer is not None and not sync.lock_step:
+    keeper = keeper_lib.SyncerKeeper(
+        syncer=syncer, port=port, make_syncer=make_syncer, learners=learners,
+        checkpoints=saver if settings.checkpoint.every_steps else None,
+        every_s=settings.checkpoint.syncer_every_s,
+        faults=injector.syncer_faults if injector is not None else (), metrics=metrics)
     supervisor = supervisor_lib.Supervisor(
-        learners, syncer, init_opt_state=jax.jit(tx.init),
+        learners, lambda: None if keeper.down else keeper.syncer, init_opt_state=jax.jit(tx.init),
         repaired_at=injector.repaired_at if injector is not None else lambda _: 0.0,
         max_restarts=settings.max_restarts, metrics=metrics)
     supervisor.restarts = list(history["restarts"])
@@ -221,7 +237,7 @@ def build(settings: settings_lib.RunSettings, *,
   return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
-             history, restored)
+             history, restored, keeper)
 
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
@@ -294,6 +310,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       run.injector.start(started)
     if run.supervisor is not None:
       run.supervisor.start(started)
+    if run.keeper is not None:
+      run.keeper.start(started, run.history["train_seconds"], run.history["faults"])
     for learner in learners:
       learner.start()
     _train_until_done(run, evals, progress, saver, stop)
@@ -305,6 +323,7 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       run.supervisor.stop()
       _check_supervisor(run.supervisor)
     train_seconds = time.perf_counter() - saver.train_started
+    syncer = run.syncer  # the current one (a crashed syncer was replaced)
     if syncer is not None:
       # Merge what every learner did since its last sync, so the global model holds all the work.
       if not syncer.flush(timeout=run.settings.stall_timeout_s):
@@ -420,6 +439,8 @@ class _Checkpointer:
       return  # the final checkpoint is taken after the flush
     if run.supervisor is not None and run.supervisor.pending:
       return  # a learner is down: the cut waits until it is back
+    if run.keeper is not None and run.keeper.down:
+      return  # and until the syncer is
     self._next += run.settings.checkpoint.every_steps
     self._pending = (self._ask(timeout_s=self._cut_timeout()), clock)
 
@@ -487,6 +508,7 @@ class _Checkpointer:
       discarded_tokens.append(base["discarded_fragment_tokens"][m] +
                               sum(l.discarded_fragment_tokens for l in this_run))
     faults = [dict(f) for f in run.injector.records] if run.injector is not None else []
+    faults += [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else []
     failures = supervisor.summary_records() if supervisor is not None else []
     return {
         "steps_made": steps_made,
@@ -526,12 +548,15 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
   next_eval = (clock // settings.eval_every + 1) * settings.eval_every if settings.eval_every \
       else None
   last_steps, last_change = -1, time.monotonic()
-  supervisor = run.supervisor
+  supervisor, keeper = run.supervisor, run.keeper
   while not all(l.finished_training.is_set() for l in learners) or (
-      supervisor is not None and supervisor.pending):
+      supervisor is not None and supervisor.pending) or (keeper is not None and keeper.down):
     time.sleep(0.05)
     if stop.signum is not None:
       return
+    if keeper is not None:
+      keeper.tick()
+      run.syncer = syncer = keeper.syncer
     _check_syncer(syncer)
     _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)
@@ -698,7 +723,8 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
                                       failure.pop("anchor_versions")))
     lost += failure["lost_fragment_tokens"]
   faults = [dict(f) for f in history["faults"]] + (
-      [dict(f) for f in run.injector.records] if run.injector is not None else [])
+      [dict(f) for f in run.injector.records] if run.injector is not None else []) + (
+      [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else [])
   for fault in faults:
     if fault["fault"] == "crash":
       healed = [r for r in failures if r["learner"] == fault["learner"]
@@ -722,6 +748,10 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
       "faults": faults,
       "failures": failures,
       "rejoins": sum(1 for r in failures if r.get("restarted")),
+      # Syncer crashes and what each restart restored (from its checkpoint, from the learners).
+      "syncer_restarts": len(run.keeper.records) if run.keeper is not None else 0,
+      "posts_lost_while_syncer_down": (sum(r["posts_lost"] for r in run.keeper.records)
+                                       if run.keeper is not None else 0),
       "rejected_offers": dict(stats.rejected_offers),
       "fragment_token_accounting": accounting,
   }

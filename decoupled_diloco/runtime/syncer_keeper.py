@@ -1,0 +1,183 @@
+"""Keeps the syncer going: saves its state, and restarts it after a crash (spec §6, issue 9 part 4).
+
+Every `config.checkpoint.syncer_every_s` the syncer's own state (Theta, the outer state of every
+fragment, versions, merge records, clock, grace EMAs) is read on its thread and written with orbax
+in the background. When the syncer crashes (a `syncer_crash` fault: its process state is lost) the
+learners keep training: what they post goes nowhere (`SyncerPort` drops it and counts it), nothing
+they do waits for the syncer. After the repair delay a new syncer is built and compiled, restores
+the newest syncer checkpoint that reads back whole, and takes for every fragment the newest Theta_p
+a live learner holds if that is newer (`Syncer.recover`): a crash loses at most the outer momentum
+since the last checkpoint, never a merge a learner received. Versions stay monotonic.
+
+Before it reads the learners' anchors the new syncer waits until every live learner has published a
+state after the crash (bounded): whatever the old syncer delivered to their inboxes is then applied
+and shows in their publications.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import logging
+
+from decoupled_diloco.runtime import chaos
+from decoupled_diloco.runtime import checkpoints as checkpoints_lib
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import syncer as syncer_lib
+
+_DRAIN_TIMEOUT_S = 10.0  # longest a restart waits for the learners to apply what they were sent
+
+
+class SyncerPort:
+  """What the learners post to: the running syncer, or nothing while it is down (posts are lost,
+  as they would be to a dead process, and counted)."""
+
+  def __init__(self, syncer: syncer_lib.Syncer | None):
+    self._syncer = syncer
+    self._lock = threading.Lock()
+    self.dropped = 0
+
+  def post(self, message: Any) -> None:
+    syncer = self._syncer
+    if syncer is None:
+      with self._lock:
+        self.dropped += 1
+      return
+    syncer.post(message)
+
+  def connect(self, syncer: syncer_lib.Syncer | None) -> None:
+    self._syncer = syncer
+
+
+class SyncerKeeper:
+  """Periodic syncer checkpoints; crash and restart of the syncer. Driven by the controller."""
+
+  def __init__(self, *, syncer: syncer_lib.Syncer, port: SyncerPort,
+               make_syncer: Callable[[], syncer_lib.Syncer],
+               learners: list[learner_lib.Learner],
+               checkpoints: checkpoints_lib.Checkpoints | None, every_s: float,
+               faults: Sequence[chaos.Fault], metrics: metrics_lib.MetricsWriter | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    self.syncer = syncer  # the current one (while down: the crashed one, stopped)
+    self._port = port
+    self._make_syncer = make_syncer
+    self._learners = learners
+    self._checkpoints = checkpoints
+    self._every_s = every_s
+    self._faults = sorted(faults, key=lambda f: f.second)
+    self._metrics = metrics
+    self._clock = clock
+    self._started_at = clock()
+    self._last_save = clock()
+    self._pending_state: concurrent.futures.Future | None = None
+    self._down: dict[str, Any] | None = None  # the crash being healed
+    self.records: list[dict[str, Any]] = []  # one per crash, with what the restart restored
+    self.fault_records: list[dict[str, Any]] = []
+
+  @property
+  def down(self) -> bool:
+    return self._down is not None
+
+  def start(self, started_at: float, elapsed_before_s: float = 0.0,
+            fired: Sequence[dict[str, Any]] = ()) -> None:
+    """Training started at `started_at` (clock time), `elapsed_before_s` after the run's start
+    (a resumed run); the faults in `fired` have already happened."""
+    self._started_at = started_at - elapsed_before_s
+    self._last_save = started_at
+    done = {r["source"] for r in fired if r["fault"] == "syncer_crash"}
+    self._faults = [f for f in self._faults if f.source not in done
+                    and f.second >= elapsed_before_s]
+
+  def _elapsed(self, t: float | None = None) -> float:
+    return round((self._clock() if t is None else t) - self._started_at, 3)
+
+  def tick(self) -> None:
+    """From the controller's loop: saves, crashes and restarts what is due."""
+    now = self._clock()
+    if self._down is None:
+      self._save_if_due(now)
+      if self._faults and self._elapsed(now) >= self._faults[0].second:
+        self._crash(self._faults.pop(0), now)
+    elif now >= self._down["restart_at"]:
+      self._restart()
+
+  def _save_if_due(self, now: float) -> None:
+    if self._checkpoints is None or not self._every_s:
+      return
+    if self._pending_state is not None:
+      if self._pending_state.done():
+        state = self._pending_state.result()
+        self._pending_state = None
+        self._checkpoints.save_syncer(self.syncer.stats.merges, state)
+      return
+    if now - self._last_save >= self._every_s:
+      self._last_save = now
+      self._pending_state = self.syncer.request_state()
+
+  def _crash(self, fault: chaos.Fault, now: float) -> None:
+    crashed = self.syncer
+    self._port.connect(None)
+    crashed.stop()
+    crashed.join(timeout=30)
+    self._pending_state = None
+    record = {"fault": "syncer_crash", "learner": None, "step": None,
+              "at_s": self._elapsed(now), "source": fault.source, "down_s": round(fault.down_s, 3)}
+    self.fault_records.append(record)
+    if self._metrics is not None:
+      self._metrics.write("fault", record)
+    logging.warning("fault: the syncer crashed at %.1f s (%s); the learners train on", record["at_s"],
+                    fault.source)
+    self._down = {"record": record, "crashed_at": now, "restart_at": now + fault.down_s,
+                  "steps": {l.index: l.published.step for l in self._learners if l.alive},
+                  "dropped_before": self._port.dropped}
+
+  def _drained(self, down: dict[str, Any]) -> bool:
+    """Every live learner has published a state after the one it held at the crash (or
+    finished training, when it applies what arrives within milliseconds)."""
+    return all(l.published.step > down["steps"].get(l.index, -1) + 1 or not l.published.training
+               for l in self._learners if l.alive)
+
+  def _restart(self) -> None:
+    down = self._down
+    restarted_at = self._clock()
+    deadline = restarted_at + _DRAIN_TIMEOUT_S
+    while not self._drained(down) and self._clock() < deadline:
+      time.sleep(0.01)
+    drained = self._clock()
+    syncer = self._make_syncer()
+    restored, source = None, "the initial Theta (no syncer checkpoint)"
+    if self._checkpoints is not None:
+      self._checkpoints.wait()
+      found = self._checkpoints.restore_syncer()
+      if found is not None:
+        restored, source = found.cut.syncer, found.path
+    self._port.connect(syncer)  # posts queue in its inbox until it starts
+    live = [l for l in self._learners if l.alive]
+    info = syncer.recover(restored, {l.index: l.published for l in live},
+                          stats=self.syncer.stats, tape=self.syncer.tape)
+    for learner in live:
+      published = learner.published
+      syncer.attach(learner.index, learner, step=published.step, incarnation=learner.incarnation,
+                    anchor_versions=published.anchor_versions)
+    self.syncer = syncer
+    syncer.start()
+    syncer.catch_up()
+    back = self._clock()
+    record = down["record"]
+    record.update(back_at_s=self._elapsed(back), restored_from=source,
+                  drain_s=round(drained - restarted_at, 3),
+                  restart_build_s=round(back - drained, 3),
+                  posts_lost=self._port.dropped - down["dropped_before"], **info)
+    self.records.append(record)
+    self._down = None
+    self._last_save = back
+    if self._metrics is not None:
+      self._metrics.write("syncer_restart", record)
+    logging.info("the syncer is back at %.1f s from %s; %d fragment(s) took a newer Theta_p from "
+                 "the learners", record["back_at_s"], source,
+                 len(info["fragments_from_learners"]))
