@@ -7,7 +7,6 @@ import signal
 
 import pytest
 
-from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import train
@@ -40,7 +39,10 @@ def _interrupted_then_resumed(workdir, stop_at, **overrides):
   resumed = train.build(_settings(workdir, **overrides))
   assert resumed.restored is not None
   cut_at = resumed.restored.cut.clock
-  assert stop_at <= cut_at < resumed.settings.num_steps
+  # It resumes from the checkpoint the stop wrote (its cut one or two steps around the stop).
+  assert str(stopped.value).split("checkpoint written to ")[1].split(":")[0] == (
+      resumed.restored.path)
+  assert stop_at - 2 <= cut_at < resumed.settings.num_steps
   return train.execute(resumed, progress=False), cut_at
 
 
@@ -62,8 +64,12 @@ def test_a_dp_run_stopped_by_sigterm_resumes_to_the_same_model(tmp_path):
   assert records[-1]["kind"] == "eval" and records[-1]["time_s"] > cut["time_s"]
 
 
+# Step delays keep the learners from finishing the 24 steps before the stop's cut is taken.
+_SLOW = {"learner_step_delays_s": (0.03,) * 4}
+
+
 def test_a_decoupled_run_resumes_without_merging_or_counting_any_step_twice(tmp_path):
-  summary, _ = _interrupted_then_resumed(tmp_path, 10)
+  summary, _ = _interrupted_then_resumed(tmp_path, 10, **_SLOW)
   num_steps = tiny_settings(tmp_path).num_steps
   assert summary["learner_steps"] == [num_steps] * 4
   assert summary["tokens_trained"] == num_steps * 4 * 4 * 32  # steps x learners x batch x seq
@@ -75,7 +81,7 @@ def test_a_decoupled_run_resumes_without_merging_or_counting_any_step_twice(tmp_
 
 
 def test_a_resumed_lock_step_run_finishes(tmp_path):
-  summary, _ = _interrupted_then_resumed(tmp_path, 10, mode="diloco")
+  summary, _ = _interrupted_then_resumed(tmp_path, 10, mode="diloco", **_SLOW)
   assert summary["learner_steps"] == [tiny_settings(tmp_path).num_steps] * 4
   assert summary["double_merged_offers"] == 0
 
@@ -130,7 +136,19 @@ def test_checkpoint_settings_are_validated(tmp_path):
     _settings(tmp_path, checkpoint__keep=0)
   with pytest.raises(ValueError, match=r"config\.checkpoint\.every_steps=-1"):
     _settings(tmp_path, checkpoint__every_steps=-1)
-  assert settings_lib.RESTORE_CHOICES == ("auto", "latest", "none")
+  with pytest.raises(ValueError, match=r"config\.restore=''"):
+    _settings(tmp_path, restore="")
+
+
+def test_a_relative_workdir_gets_its_checkpoints_written_and_resumed(tmp_path, monkeypatch):
+  """orbax takes absolute paths only; the default workdir (workdir/tiny_cpu) is relative."""
+  monkeypatch.chdir(tmp_path)
+  first = train.execute(train.build(_settings("relative", mode="dp")), progress=False)
+  assert first["checkpoints_written"]
+  assert os.path.isdir(tmp_path / "relative" / "checkpoints" / "job" / str(first["learner_steps"][0]))
+  run = train.build(_settings("relative", mode="dp"))
+  assert run.restored.cut.clock == first["learner_steps"][0]
+  run.metrics.close()
 
 
 def test_a_checkpoint_path_resumes_from_that_checkpoint(tmp_path):

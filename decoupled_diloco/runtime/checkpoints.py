@@ -124,7 +124,8 @@ class Checkpoints:
   """The run's checkpoint directory: job cuts under `job/`, the syncer's own under `syncer/`."""
 
   def __init__(self, directory: str, keep: int, fingerprint_: dict[str, str]):
-    self.directory = directory
+    # orbax takes absolute paths only (a relative one fails in its background writer).
+    self.directory = directory if "://" in directory else os.path.abspath(directory)
     self._fingerprint = fingerprint_
     self._keep = keep
     self._managers: dict[str, ocp.CheckpointManager] = {}
@@ -159,6 +160,7 @@ class Checkpoints:
     return self._submit(self._write_syncer, number, state)
 
   def _submit(self, fn, *args) -> concurrent.futures.Future:
+    self.raise_if_failed()
     self._pending = [f for f in self._pending if not f.done()]
     future = self._writer.submit(fn, *args)
     self._pending.append(future)
@@ -208,6 +210,15 @@ class Checkpoints:
         meta=ocp.args.JsonSave(meta)))
     self.saved.append({"kind": kind, "number": number,
                        "path": os.path.join(self.directory, kind, str(number))})
+
+  def raise_if_failed(self) -> None:
+    """Raises the error of a write that failed (orbax reports an asynchronous write's error at
+    the next save, which runs on the writer thread): a run must not train on for hours with
+    checkpoints that are not being written."""
+    for future in self._pending:
+      if future.done() and future.exception() is not None:
+        raise RuntimeError(f"writing a checkpoint to {self.directory} failed: "
+                           f"{future.exception()!r}") from future.exception()
 
   def wait(self) -> None:
     """Until every checkpoint asked for is on disk; raises a writer's error."""

@@ -88,8 +88,9 @@ def _open_checkpoints(settings: settings_lib.RunSettings
   fingerprint = checkpoints_lib.fingerprint(settings)
   target = checkpoints_lib.Checkpoints(ck.dir, ck.keep, fingerprint)
   source_dir, number = checkpoints_lib.locate(settings.restore, ck.dir)
-  source = target if source_dir == ck.dir else checkpoints_lib.Checkpoints(
-      source_dir, ck.keep, fingerprint)
+  source = checkpoints_lib.Checkpoints(source_dir, ck.keep, fingerprint)
+  if source.directory == target.directory:
+    source = target
   if settings.restore == "none":
     if target.steps():
       raise checkpoints_lib.CheckpointError(
@@ -350,7 +351,7 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   evals.append(final)
   train_seconds += run.history["train_seconds"]
   wall_seconds = time.perf_counter() - start + run.history["wall_seconds"]
-  summary = _summary(run, evals, train_seconds, wall_seconds, saver)
+  summary = _summary(run, evals, train_seconds, wall_seconds)
   run.metrics.flush()
   with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
@@ -422,15 +423,16 @@ class _Checkpointer:
     every = run.settings.checkpoint.every_steps
     clock = max((l.step for l in run.learners), default=0)
     self._next = (clock // every + 1) * every if every else None
-    self._pending: tuple[concurrent.futures.Future, int] | None = None
+    self._pending: concurrent.futures.Future | None = None  # a cut asked for, not yet taken
 
   def tick(self, clock: int) -> None:
     """From the controller's loop: asks for a cut when one is due, writes it when it comes."""
     run = self._run
     if run.checkpoints is None:
       return
+    run.checkpoints.raise_if_failed()
     if self._pending is not None:
-      future, _ = self._pending
+      future = self._pending
       if future.done():
         self._pending = None
         self._write(future.result())
@@ -442,7 +444,7 @@ class _Checkpointer:
     if run.keeper is not None and run.keeper.down:
       return  # and until the syncer is
     self._next += run.settings.checkpoint.every_steps
-    self._pending = (self._ask(timeout_s=self._cut_timeout()), clock)
+    self._pending = self._ask(timeout_s=self._cut_timeout())
 
   def save_now(self, timeout_s: float, train_seconds: float) -> str | None:
     """Takes a cut now and starts writing it; returns its path (None: no checkpoint)."""
@@ -450,7 +452,7 @@ class _Checkpointer:
     if run.checkpoints is None:
       return None
     if self._pending is not None:
-      self._pending[0].result(timeout=timeout_s)  # superseded below
+      self._pending.result(timeout=timeout_s)  # superseded below
       self._pending = None
     cut = self._ask(timeout_s=timeout_s).result(timeout=timeout_s + 5)
     return self._write(cut, train_seconds=train_seconds)
@@ -478,7 +480,9 @@ class _Checkpointer:
       train_seconds = time.perf_counter() - self.train_started
     learners = [job_state.learner_cut(m, cut.incarnations[m], pub)
                 for m, pub in sorted(cut.publications.items())]
-    clock = max([c.step for c in learners] + [cut.clock])
+    # Numbered by the fastest learner's step: it only grows, and the final one is num_steps (the
+    # syncer's clock runs ahead of every learner once the fastest has finished).
+    clock = max(c.step for c in learners)
     job = checkpoints_lib.JobCut(clock, learners, cut.state,
                                  self._history(cut, train_seconds))
     run.checkpoints.save_job(job)
@@ -641,8 +645,7 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
   logging.info(line)
 
 
-def _summary(run: Run, evals, train_seconds: float, wall_seconds: float,
-             saver: _Checkpointer) -> dict[str, Any]:
+def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict[str, Any]:
   """The whole run's summary: a resumed run adds what it did to the checkpoint's history."""
   learners, syncer, history = run.learners, run.syncer, run.history
   tokens_per_step = run.settings.learner_batch_size * run.settings.data.seq_len
