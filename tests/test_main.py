@@ -4,6 +4,7 @@ Each case runs `python -m decoupled_diloco.main` in a new process, as a user doe
 parsing, validation and the exit are what a user sees.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -23,6 +24,7 @@ _BEFORE_COMPILING_S = 60
 def _main(*args: str) -> tuple[subprocess.CompletedProcess, float]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+  env.pop("XLA_FLAGS", None)  # as in a user's shell: the run asks for its fake devices itself
   started = time.monotonic()
   out = subprocess.run(
       [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py", *args],
@@ -68,3 +70,18 @@ def test_bad_value_is_one_line_naming_the_field_and_what_is_allowed(tmp_path):
   out, _ = _main("--config.sync.quorum=9", f"--config.workdir={tmp_path / 'run'}")
   line = _one_line(out)
   assert "config.sync.quorum=9" in line and "config.num_learners=4" in line, line
+
+
+def test_a_run_resumes_from_its_checkpoint_in_a_new_process(tmp_path):
+  """As a user resumes: a second process, which reads the checkpoint before JAX has started (the
+  fake CPU device count must still be set then)."""
+  args = (f"--config.workdir={tmp_path}", "--config.mode=dp", "--config.num_steps=2",
+          "--config.checkpoint.every_steps=1", "--config.eval_batches=1", "--config.log_every=1",
+          "--config.inner.warmup_steps=1")
+  first, _ = _main(*args)
+  assert first.returncode == 0, first.stderr[-2000:]
+  second, _ = _main(*args, "--config.restore=latest")
+  assert second.returncode == 0, second.stderr[-2000:]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert [r["clock"] for r in summary["resumes"]] == [2]
+  assert summary["tokens_trained"] == 2 * 4 * 16 * 128  # steps x (learners x batch) x seq_len

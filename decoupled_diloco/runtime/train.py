@@ -113,13 +113,14 @@ def build(settings: settings_lib.RunSettings, *,
           with_syncer: bool = True) -> Run:
   """Partitions devices, builds learners and syncer and compiles their steps."""
   start = time.perf_counter()
+  # Before anything touches JAX (reading a checkpoint back does): the device count is fixed then.
+  devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   saver, restored = _open_checkpoints(settings)
   history = job_state.empty_history(settings.num_learners)
   if restored is not None:
     history.update(restored.cut.history)
     history["resumes"] = list(history["resumes"]) + [
         {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped}]
-  devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
       settings.learner_mesh_shapes, settings.syncer.num_devices, settings.devices.platform)
   metrics = metrics_lib.MetricsWriter(
