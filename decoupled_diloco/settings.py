@@ -86,6 +86,9 @@ class MergeSettings:
   anchor: str  # learner | syncer: the Theta an outer gradient is taken against
   alpha: float  # on receive theta <- alpha theta + (1 - alpha) Theta; 0 = overwrite
   keep_in_flight_progress: bool  # on receive keep the steps no merge has taken
+  # Reject an outer gradient whose norm exceeds this x the median of the fragment's recent accepted
+  # norms (one that is not finite always); 0 = no outlier test (algorithm/robust.py).
+  max_norm_ratio: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,7 +416,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       weighting=_check_choice(config, "merge.weighting", merge.WEIGHTINGS),
       anchor=_check_choice(config, "merge.anchor", ANCHORS),
       alpha=_check_float(config, "merge.alpha", 0.0, 1.0, high_open=True),
-      keep_in_flight_progress=_check_bool(config, "merge.keep_in_flight_progress"))
+      keep_in_flight_progress=_check_bool(config, "merge.keep_in_flight_progress"),
+      max_norm_ratio=_check_float(config, "merge.max_norm_ratio", 0.0))
   outer_settings = OuterSettings(
       name=_check_choice(config, "outer.name", outer.OPTIMIZERS),
       learning_rate=_check_float(config, "outer.learning_rate", 0.0, low_open=True),

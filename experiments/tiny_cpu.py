@@ -84,6 +84,13 @@ def get_config() -> ml_collections.ConfigDict:
   # On receive, keep the steps a learner made after the offer the merge took in:
   # theta <- Theta + (theta_now - theta_offered). False = the paper's plain overwrite.
   config.merge.keep_in_flight_progress = False
+  # Robust merge (algorithm/robust.py): the syncer rejects an outer gradient that is not finite, or
+  # whose norm exceeds this many times the median of the last 32 norms it accepted for that fragment
+  # (no outlier test until 4 were accepted; a window that two learners outgrow together starts
+  # again). Not published: 10 rejects a learner whose update blew up by an order of magnitude and
+  # admits the honest spread between learners and rounds. 0 = no outlier test; a non-finite outer
+  # gradient is rejected whatever the value.
+  config.merge.max_norm_ratio = 10.0
 
   config.outer = ml_collections.ConfigDict()
   config.outer.name = "sgd_nesterov"  # sgd_nesterov | sgd | adam
