@@ -83,6 +83,13 @@ def test_a_crashed_learner_rejoins_with_the_syncers_theta_and_a_peers_optimizer_
   assert summary["unmerged_steps_at_end"] == [0] * 4 and summary["double_merged_offers"] == 0
 
 
+def _assert_every_token_is_accounted_for(summary):
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
+                            + tokens["unmerged_at_end"])
+  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+
+
 def test_every_token_is_merged_discarded_lost_or_unmerged(tmp_path):
   run = _build(tmp_path, "crash@learner=2,step=6,down_s=0.2;crash@learner=2,step=15,down_s=0.2;"
                          "crash@learner=0,second=0.8,down_s=0.3",
@@ -91,9 +98,18 @@ def test_every_token_is_merged_discarded_lost_or_unmerged(tmp_path):
   assert summary["rejoins"] == 3
   tokens = summary["fragment_token_accounting"]
   assert tokens["lost_at_failures"] > 0 and tokens["discarded"] > 0
-  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
-                            + tokens["unmerged_at_end"])
-  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+  _assert_every_token_is_accounted_for(summary)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["overwrite", "keep_in_flight_progress"])
+def test_every_token_is_accounted_for_when_the_syncer_rejects_outliers(tmp_path, keep):
+  """A ratio of 1 makes every offer above the median of the accepted norms an outlier: many
+  rejections among healthy learners, whose steps the overwrite discards or a later offer carries."""
+  run = _build(tmp_path, merge__max_norm_ratio=1.0, merge__keep_in_flight_progress=keep)
+  summary = train.execute(run, progress=False)
+  assert summary["rejected_offers"]["outlier"] > 0
+  assert summary["double_merged_offers"] == 0
+  _assert_every_token_is_accounted_for(summary)
 
 
 def test_a_failure_the_runtime_did_not_inject_is_healed_the_same_way(tmp_path):

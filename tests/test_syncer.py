@@ -446,6 +446,7 @@ def test_a_nonfinite_and_an_outlier_offer_are_rejected_and_theta_is_the_merge_of
     np.testing.assert_allclose(syncer.global_params()[name], 2.5, rtol=1e-6)
   # The broadcast names the merged offers only: the rejected learners' overwrite drops those steps.
   assert links[1].received[-1].merged_offers == {0: 3, 3: 3}
+  assert links[1].received[-1].merged_counters == {0: (2, 200), 3: (2, 200)}
   # Their steps were not merged: the next round asks them from where the last accepted merge ended.
   _step(syncer, range(4), 5)
   def last_asked(link):

@@ -409,7 +409,7 @@ class Learner:
     p = broadcast.fragment
     if broadcast.version <= self._anchor_versions[p]:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
-    taken, unknown = self._merged_record(p, broadcast.merged_offers.get(self.index))
+    taken, unknown = self._merged_record(broadcast)
     keep = (self._options.keep_in_flight_progress or self._finished) and not unknown
     params = self._state.params
     anchors, updates = dict(self._anchors), {}
@@ -463,14 +463,22 @@ class Learner:
       return jax.device_put(base + (now_host - np.asarray(offered, np.float32)), sharding)
     return _rebase(jax.device_put(base, sharding), now, jax.device_put(offered, sharding))
 
-  def _merged_record(self, p: int, merged_step: int | None
-                     ) -> tuple[messages.Offer | None, bool]:
-    """(the taken offer a broadcast of p merged, if its steps are still unmerged here; unknown).
+  def _merged_record(self, broadcast: messages.Broadcast) -> tuple[messages.Offer | None, bool]:
+    """(the taken offer a broadcast merged, if its steps are still unmerged here; unknown).
 
     A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
-    step with the current progress: as if the merge had not taken this learner.
+    step with the current progress: as if the merge had not taken this learner. That happens when
+    the syncer took the offer from a publication made before an overwrite on its way was applied
+    (again, possibly, after a round that rejected it). Those steps did reach Theta_p, though: the
+    overwrite counted them as discarded, and by the broadcast's counters they leave that count.
     """
-    if merged_step is None or merged_step <= self._since[p]:
+    p, merged_step = broadcast.fragment, broadcast.merged_offers.get(self.index)
+    if merged_step is None:
+      return None, False
+    if merged_step <= self._since[p]:
+      steps, tokens = broadcast.merged_counters.get(self.index, (0, 0))
+      self.discarded_fragment_steps -= steps
+      self.discarded_fragment_tokens -= tokens
       return None, False
     with self._lock:
       taken = self._taken.get(p)

@@ -145,6 +145,9 @@ class Broadcast:
   # learner -> step of its offer that this merge took in: the learner keeps (or, under the paper's
   # overwrite, drops) exactly the steps it made after that offer.
   merged_offers: dict[int, int] = dataclasses.field(default_factory=dict)
+  # learner -> (steps, tokens) of that offer: a learner whose overwrite had dropped those steps
+  # before this merge took them in counts them as merged, not discarded.
+  merged_counters: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
   @property
   def nbytes(self) -> int:

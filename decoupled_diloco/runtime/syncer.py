@@ -521,7 +521,8 @@ class Syncer:
     for offer in current:
       key = (offer.learner, p)
       self._merged_through[key] = max(self._merged_through.get(key, 0), offer.step)
-    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current})
+    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current},
+                                   {o.learner: (o.steps, o.tokens) for o in current})
     deliver_at = time.monotonic()
     for m in live:
       self._learners[m].deliver(broadcast)
