@@ -12,6 +12,7 @@ state); a slow learner's steps are stretched by sleeping (factor - 1) step times
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -65,9 +66,14 @@ class FaultInjector:
     return 0.0 if self._started_at is None else self._clock() - self._started_at
 
   def repaired_at(self, learner: int) -> float:
-    """When the devices of `learner` can be used again (clock time); now if they never failed."""
+    """When the devices of `learner` can be used again (clock time); -inf if they never failed.
+
+    Not "now": a caller compares it with a time it read before asking, which "now" would always
+    exceed, and a failure that took no device down (a non-finite loss, a software error in a run
+    with faults) would then wait for a repair forever.
+    """
     with self._lock:
-      return self._repaired_at.get(learner, self._clock())
+      return self._repaired_at.get(learner, -math.inf)
 
   def step_hook(self, learner: int, step: int) -> None:
     """Before step `step` of `learner`, on its thread: fires what is due (may raise)."""
