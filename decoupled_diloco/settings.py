@@ -372,11 +372,7 @@ def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
       repair_s=_check_float(config, "chaos.repair_s", 0.0),
       repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
       seed=_check_int(config, "chaos.seed", 0))
-  unsupported = sorted({f.kind for f in faults} - set(injector.INJECTED_KINDS))
-  if unsupported:
-    _fail("chaos.schedule", schedule,
-          f"{', '.join(unsupported)} faults are not injected by this runtime yet (issue #9); it "
-          f"injects {', '.join(injector.INJECTED_KINDS)}")
+  injector.check_injected(faults)
   if (faults or random_crashes.enabled) and mode != "decoupled":
     field, value = ("chaos.schedule", schedule) if faults else ("chaos.mtbf_s",
                                                                random_crashes.mtbf_s)
