@@ -264,6 +264,8 @@ def _check_float(config, field, low, high=None, *, high_open=False, low_open=Fal
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     _fail(field, value, "must be a number")
   value = float(value)
+  if value != value:  # NaN passes every comparison below, and then disables what it bounds
+    _fail(field, value, "must be a number, not NaN")
   bad_low = value <= low if low_open else value < low
   bad_high = high is not None and (value >= high if high_open else value > high)
   if bad_low or bad_high:

@@ -36,6 +36,8 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("merge.anchor", "peer", "config.merge.anchor='peer'"),
     ("merge.alpha", 1.0, "config.merge.alpha=1.0"),
     ("merge.max_norm_ratio", -1.0, "config.merge.max_norm_ratio=-1.0"),
+    ("merge.max_norm_ratio", float("nan"), "config.merge.max_norm_ratio=nan"),
+    ("merge.alpha", float("nan"), "config.merge.alpha=nan"),
     ("outer.name", "lion", "config.outer.name"),
     ("outer.learning_rate", -1.0, "config.outer.learning_rate"),
     ("compression.outer_grad", "int2", "config.compression.outer_grad='int2'"),
