@@ -86,6 +86,9 @@ class MergeSettings:
   anchor: str  # learner | syncer: the Theta an outer gradient is taken against
   alpha: float  # on receive theta <- alpha theta + (1 - alpha) Theta; 0 = overwrite
   keep_in_flight_progress: bool  # on receive keep the steps no merge has taken
+  # Reject an outer gradient whose norm exceeds this x the median of the fragment's recent accepted
+  # norms (one that is not finite always); 0 = no outlier test (algorithm/robust.py).
+  max_norm_ratio: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +278,8 @@ def _check_float(config, field, low, high=None, *, high_open=False, low_open=Fal
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     _fail(field, value, "must be a number")
   value = float(value)
+  if value != value:  # NaN passes every comparison below, and then disables what it bounds
+    _fail(field, value, "must be a number, not NaN")
   bad_low = value <= low if low_open else value < low
   bad_high = high is not None and (value >= high if high_open else value > high)
   if bad_low or bad_high:
@@ -369,11 +374,7 @@ def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
       repair_s=_check_float(config, "chaos.repair_s", 0.0),
       repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
       seed=_check_int(config, "chaos.seed", 0))
-  unsupported = sorted({f.kind for f in faults} - set(injector.INJECTED_KINDS))
-  if unsupported:
-    _fail("chaos.schedule", schedule,
-          f"{', '.join(unsupported)} faults are not injected by this runtime yet (issue #9); it "
-          f"injects {', '.join(injector.INJECTED_KINDS)}")
+  injector.check_injected(faults)
   if (faults or random_crashes.enabled) and mode != "decoupled":
     field, value = ("chaos.schedule", schedule) if faults else ("chaos.mtbf_s",
                                                                random_crashes.mtbf_s)
@@ -453,7 +454,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       weighting=_check_choice(config, "merge.weighting", merge.WEIGHTINGS),
       anchor=_check_choice(config, "merge.anchor", ANCHORS),
       alpha=_check_float(config, "merge.alpha", 0.0, 1.0, high_open=True),
-      keep_in_flight_progress=_check_bool(config, "merge.keep_in_flight_progress"))
+      keep_in_flight_progress=_check_bool(config, "merge.keep_in_flight_progress"),
+      max_norm_ratio=_check_float(config, "merge.max_norm_ratio", 0.0))
   outer_settings = OuterSettings(
       name=_check_choice(config, "outer.name", outer.OPTIMIZERS),
       learning_rate=_check_float(config, "outer.learning_rate", 0.0, low_open=True),

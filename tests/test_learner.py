@@ -169,7 +169,9 @@ def test_a_finished_learner_keeps_its_unmerged_steps_even_under_overwrite(built)
 
 def test_a_merge_of_steps_an_overwrite_already_dropped_keeps_the_newer_steps(built):
   """Offer at 5 taken; a merge without this learner overwrites at step 7; then the merge of the
-  offer arrives: the steps after 7 were never offered, so a keeping learner keeps them all."""
+  offer arrives: the steps after 7 were never offered, so a keeping learner keeps them all. (The
+  syncer took the offer before the overwrite was applied, or a round rejected it and the next one
+  took it again from the same publication.)"""
   learner = _offered_then_two_more_steps(built)
   learner._apply(_broadcast(built, 0.75, 1, {}))  # overwrite at step 7: since = 7
   assert learner.discarded_fragment_steps == 7
@@ -178,6 +180,9 @@ def test_a_merge_of_steps_an_overwrite_already_dropped_keeps_the_newer_steps(bui
   learner._apply(_broadcast(built, 2.0, 2, {0: 5}))
   _assert_all(_values(learner, built), 2.0 + (1.75 - 0.75))
   assert (learner._counter_steps[P], learner._since[P]) == (1, 7)
+  # Steps 1-5 reached Theta_p through that merge after all: only 6 and 7 stay discarded (the
+  # summary's token accounting would otherwise count steps 1-5 as both merged and discarded).
+  assert (learner.discarded_fragment_steps, learner.discarded_fragment_tokens) == (2, 200)
 
 
 def test_a_learner_remembers_one_taken_offer_per_fragment(built):

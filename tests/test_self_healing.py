@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_settings
+from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import train
 
 
@@ -83,6 +84,13 @@ def test_a_crashed_learner_rejoins_with_the_syncers_theta_and_a_peers_optimizer_
   assert summary["unmerged_steps_at_end"] == [0] * 4 and summary["double_merged_offers"] == 0
 
 
+def _assert_every_token_is_accounted_for(summary):
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
+                            + tokens["unmerged_at_end"])
+  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+
+
 def test_every_token_is_merged_discarded_lost_or_unmerged(tmp_path):
   run = _build(tmp_path, "crash@learner=2,step=6,down_s=0.2;crash@learner=2,step=15,down_s=0.2;"
                          "crash@learner=0,second=0.8,down_s=0.3",
@@ -91,9 +99,58 @@ def test_every_token_is_merged_discarded_lost_or_unmerged(tmp_path):
   assert summary["rejoins"] == 3
   tokens = summary["fragment_token_accounting"]
   assert tokens["lost_at_failures"] > 0 and tokens["discarded"] > 0
-  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
-                            + tokens["unmerged_at_end"])
-  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+  _assert_every_token_is_accounted_for(summary)
+
+
+def test_a_learner_whose_parameters_go_nan_is_rejected_restarted_and_theta_stays_finite(tmp_path):
+  """nan@step=S corrupts the output of learner 1's step S + 1: it publishes that state after step
+  S + 1 and learns of it from the loss of step S + 2, then fails (NonFiniteLoss). The hook holds it
+  before step S + 2 until the syncer has taken the NaN state and rejected it, so the rejection is
+  certain, not a race; without the hold the learner may fail before any round takes that state."""
+  S = 8
+  failed_at = []
+
+  def hold_until_a_nan_offer_is_rejected(learner, step):
+    if learner == 1 and step == S + 2 and run.learners[1].incarnation == 0:
+      deadline = time.monotonic() + 20
+      while not run.syncer.stats.rejected_offers["nonfinite"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+      failed_at.append(step)
+
+  run = _build(tmp_path, f"nan@learner=1,step={S}", step_hook=hold_until_a_nan_offer_is_rejected,
+               learner_step_delays_s=(0.05,) * 4)
+  summary = train.execute(run, progress=False)
+
+  assert [(f["fault"], f["learner"], f["step"]) for f in summary["faults"]] == [("nan", 1, S)]
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and failure["incarnation"] == 0 and failure["restarted"]
+  assert "NonFiniteLoss" in failure["error"] and f"step {S + 2} is nan" in failure["error"]
+  assert summary["rejoins"] == 1 and summary["learner_errors"] == [None] * 4
+  assert failed_at == [S + 2] and summary["learner_steps"] == [24] * 4
+  assert summary["rejected_offers"]["nonfinite"] >= 1
+  rejected = metrics_lib.read_records(str(tmp_path), "rejected")
+  assert rejected and all((r["learner"], r["incarnation"], r["reason"], r["step"]) ==
+                          (1, 0, "nonfinite", S + 1) for r in rejected)
+  # No merge took a state of learner 1's first incarnation after the corruption.
+  for record in run.syncer.tape:
+    for learner, incarnation, step in zip(record["learners"], record["incarnations"],
+                                          record["learner_steps"]):
+      assert (learner, incarnation) != (1, 0) or step <= S
+  assert all(np.isfinite(v).all() for v in run.syncer.global_params().values())
+  assert np.isfinite(summary["final_eval_loss"])
+  assert summary["double_merged_offers"] == 0
+  _assert_every_token_is_accounted_for(summary)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["overwrite", "keep_in_flight_progress"])
+def test_every_token_is_accounted_for_when_the_syncer_rejects_outliers(tmp_path, keep):
+  """A ratio of 1 makes every offer above the median of the accepted norms an outlier: many
+  rejections among healthy learners, whose steps the overwrite discards or a later offer carries."""
+  run = _build(tmp_path, merge__max_norm_ratio=1.0, merge__keep_in_flight_progress=keep)
+  summary = train.execute(run, progress=False)
+  assert summary["rejected_offers"]["outlier"] > 0
+  assert summary["double_merged_offers"] == 0
+  _assert_every_token_is_accounted_for(summary)
 
 
 def test_a_failure_the_runtime_did_not_inject_is_healed_the_same_way(tmp_path):
@@ -153,8 +210,9 @@ def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"chaos__schedule": "crash@learner=7,step=1,down_s=1"}, "learner=7 is out of range"),
-    ({"chaos__schedule": "partition@learner=0,step=1,seconds=1"},
-     "partition faults are not injected by this runtime yet"),
+    ({"chaos__schedule": "crash@learner=0,step=1,down_s=1;partition@learner=0,step=1,seconds=1"},
+     "config.chaos.schedule event 'partition@learner=0,step=1,seconds=1': partition faults are "
+     "not injected by this runtime yet"),
     ({"chaos__schedule": "crash@learner=0,step=1,down_s=1", "mode": "dp"},
      "config.mode='decoupled' only"),
     ({"chaos__mtbf_s": 5.0, "mode": "diloco"}, "config.chaos.mtbf_s"),

@@ -18,6 +18,7 @@ from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.settings import SyncSettings
 
@@ -54,7 +55,7 @@ class NotLanded(np.ndarray):
 
 def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
             num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
-            num_fragments=2, attached=None):
+            num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
                                       embedding_names=("embedder/embedding",))
@@ -66,9 +67,9 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
       sync=sync, fragments=fragments,
       initial_params={n: np.full(s, initial, np.float32) for n, s in SHAPES.items()},
       mesh=mesh, outer_tx=outer_tx or outer.make_outer_optimizer("sgd", 1.0, 0.0),
-      merge=default_settings("merge", rule=rule, anchor=anchor),
+      merge=default_settings("merge", rule=rule, anchor=anchor, max_norm_ratio=max_norm_ratio),
       compression=default_settings("compression", outer_grad="fp32"),
-      num_learners=num_learners, num_workers=1)
+      num_learners=num_learners, num_workers=1, metrics=metrics)
   syncer.compile()
   learners = [Scripted(m) for m in range(num_learners if attached is None else attached)]
   for m, link in enumerate(learners):
@@ -418,3 +419,91 @@ def test_a_restarted_learner_counts_its_steps_afresh_and_its_old_incarnation_is_
   assert syncer.tape[-1]["learner_steps"] == [4, 5]
   assert syncer.stats.rejected_offers["stale_incarnation"] == 1 and syncer.stats.stale_messages == 1
   assert tape_lib.double_merged_offers(syncer.tape) == 0
+
+
+def test_a_nonfinite_and_an_outlier_offer_are_rejected_and_theta_is_the_merge_of_the_others(
+    running, tmp_path):
+  """Plain average, outer SGD lr 1. Round 1: four offers of 1.0 against Theta = 0 (Delta = -1 each,
+  four norms accepted): Theta = 1. Round 2, anchored at 1: learner 0 offers 3.0 (Delta -2),
+  learner 3 offers 2.0 (Delta -1), learner 1 a NaN, learner 2 a Delta 100x the accepted norms.
+  Equal weights: Theta = 1 + (2 + 1) / 2 = 2.5, whatever learners 1 and 2 sent."""
+  metrics = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+  syncer, links = _syncer(num_learners=4, quorum=4, rule="average", metrics=metrics)
+  p = 1
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
+  running(syncer)
+  _step(syncer, range(4), 1)
+  _wait(lambda: syncer.stats.merges == 1)
+  for m, value in enumerate([3.0, np.nan, 101.0, 2.0]):
+    links[m].answers[p] = _offer(syncer, m, p, value, step=3, since=1, anchor=1.0,
+                                 anchor_version=1)
+  _step(syncer, range(4), 3)
+  _wait(lambda: syncer.stats.merges == 2)
+  assert syncer.tape[-1]["learners"] == [0, 3]
+  assert syncer.stats.rejected_offers == {"stale_incarnation": 0, "nonfinite": 1, "outlier": 1}
+  for name in syncer.model.fragments[p].names:
+    np.testing.assert_allclose(syncer.global_params()[name], 2.5, rtol=1e-6)
+  # The broadcast names the merged offers only: the rejected learners' overwrite drops those steps.
+  assert links[1].received[-1].merged_offers == {0: 3, 3: 3}
+  # Their steps were not merged: the next round asks them from where the last accepted merge ended.
+  _step(syncer, range(4), 5)
+  def last_asked(link):
+    return [merged_through for q, merged_through in link.asked if q == p][-1]
+
+  _wait(lambda: [last_asked(link) for link in links] == [3, 1, 1, 3])
+  metrics.close()
+  records = metrics_lib.read_records(str(tmp_path), "rejected")
+  assert [(r["learner"], r["reason"], r["step"], r["fragment"]) for r in records] == [
+      (1, "nonfinite", 3, p), (2, "outlier", 3, p)]
+  size = sum(np.prod(SHAPES[n]) for n in syncer.model.fragments[p].names)
+  assert records[0]["norm"] is None and records[1]["norm"] == pytest.approx(100 * np.sqrt(size))
+  assert records[1]["median"] == pytest.approx(np.sqrt(size))
+
+
+def test_a_round_whose_every_offer_is_rejected_changes_nothing(running):
+  syncer, (a, b) = _syncer(num_learners=2, quorum=1)
+  p = 1
+  a.answers[p] = _offer(syncer, 0, p, np.inf, step=1)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.stats.rejected_offers["nonfinite"] == 1)
+  _wait(lambda: p not in syncer._merging)
+  assert syncer.stats.merges == 0 and not syncer.tape and not a.received
+  assert syncer.model.versions == (0, 0)
+  for name in syncer.model.fragments[p].names:
+    np.testing.assert_array_equal(syncer.global_params()[name], 0.0)
+
+
+def test_a_lock_step_round_whose_every_offer_is_rejected_broadcasts_theta_unchanged(running):
+  """Lock-step learners wait for a new version of every fragment they offered: without one they
+  would stall until stall_timeout_s. They get Theta_p back at a new version, merging nobody."""
+  syncer, (a, b) = _syncer(quorum=2)
+  syncer._sync = SyncSettings(**{**syncer._sync.__dict__, "lock_step": True})
+  p = 1
+  running(syncer)
+  syncer.post(_offer(syncer, 0, p, np.nan, step=2))
+  syncer.post(_offer(syncer, 1, p, np.inf, step=2))
+  _wait(lambda: a.received and b.received)
+  broadcast = a.received[-1]
+  assert (broadcast.fragment, broadcast.version, broadcast.merged_offers) == (p, 1, {})
+  assert syncer.stats.rejected_offers["nonfinite"] == 2
+  for name in syncer.model.fragments[p].names:
+    np.testing.assert_array_equal(syncer.global_params()[name], 0.0)
+
+
+def test_the_robust_merge_yardstick_survives_a_syncer_checkpoint(running):
+  """A restarted syncer judges offers against the norms the lost one had accepted."""
+  syncer, links = _syncer(num_learners=4, quorum=4, rule="average")
+  p = 1
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
+  running(syncer)
+  _step(syncer, range(4), 1)
+  _wait(lambda: syncer.stats.merges == 1)
+  arrays, values = syncer.model.state()
+  fresh, _ = _syncer(num_learners=4, quorum=4, rule="average")
+  fresh.model.load_state(arrays, values)
+  offers = [_offer(fresh, m, p, 101.0, step=3, since=1, anchor=1.0, anchor_version=1)
+            for m in range(1)]
+  assert [r.reason for r in fresh.model.screen(p, offers).rejected] == ["outlier"]

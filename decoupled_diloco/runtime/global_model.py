@@ -4,8 +4,10 @@ Theta is split into the P fragments; each has a version (how many merges it has 
 outer-optimizer state, and, with `anchor="syncer"` only, the earlier versions a live learner may
 still be anchored at. `merge(p, offers)` computes the next Theta_p from the learners' offers
 (weights, RDA or weighted average, outer step, wire encoding) without changing anything;
-`install(p, result)` makes it current. The syncer runs merges of different fragments in worker
-threads and installs them on its own thread; nothing here starts a thread or waits.
+`install(p, result)` makes it current. Before a merge, `screen(p, offers)` judges each offer's outer
+gradient (finite? an outlier against the norms this fragment accepted lately? `algorithm/robust.py`)
+so that a rejected offer never reaches the merge. The syncer runs merges of different fragments in
+worker threads and installs them on its own thread; nothing here starts a thread or waits.
 
 Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
 stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
@@ -14,8 +16,9 @@ not grow with the model's depth. The math is `merge` and `outer`; this module on
 
 Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parameter per outer
 optimizer slot (1 for SGD with momentum, 2 for Adam, 0 for plain SGD), plus the optimizer's scalar
-leaves, plus, with anchor="syncer" only, the kept versions. Nothing grows with the number of steps.
-A merge in progress adds one tensor's stacked outer gradients (learners x tensor size, fp32).
+leaves, plus, with anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
+Nothing grows with the number of steps. A merge in progress adds one tensor's stacked outer
+gradients (learners x tensor size, fp32); screening adds one tensor's outer gradient at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from decoupled_diloco.algorithm import compression as compression_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import merge as merge_lib
 from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import robust
 from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import messages
 
@@ -57,6 +61,27 @@ class MergeResult:
   encode_s: float
   merge_s: float
   wire_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+  """An offer a merge must not take in, and why (`robust.REASONS`)."""
+
+  offer: messages.Offer
+  reason: str
+  norm: float
+  median: float | None  # of the fragment's recent accepted norms; None: no outlier test yet
+
+
+@dataclasses.dataclass(frozen=True)
+class Screening:
+  """The offers of one round, split into those a merge may take in and those it must not."""
+
+  fragment: int
+  accepted: tuple[messages.Offer, ...]
+  norms: tuple[float, ...]  # ||Delta_m|| of each accepted offer
+  rejected: tuple[Rejection, ...]
+  window: robust.NormWindow  # the fragment's yardstick after this round (`keep_screening`)
 
 
 def outer_state_slots(tx: optax.GradientTransformation) -> int:
@@ -102,6 +127,8 @@ class GlobalModel:
     self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
     self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
                          for n, v in theta.items()} for theta in self._theta]
+    self._num_learners = num_learners
+    self._norm_windows = [robust.NormWindow() for _ in self.fragments]
     self._merge_fns = {average: self._build_merge_fn(average) for average in (False, True)}
     self._programs: dict[tuple[tuple[int, ...], bool], Any] = {}
 
@@ -183,6 +210,33 @@ class GlobalModel:
 
   # ---- merging ---------------------------------------------------------------------------------
 
+  def screen(self, p: int, offers: Sequence[messages.Offer]) -> Screening:
+    """Judges each offer's outer gradient Delta_m = anchor - theta_m (robust merge, issue 9).
+
+    The learner's own Delta_m, whatever `merge.anchor`: a learner is judged by what it did, not by
+    how far Theta_p moved since its anchor. Reads the fragment's window of accepted norms and
+    changes nothing, so like `merge` it runs at most once at a time per fragment, and the caller
+    keeps its outcome (`keep_screening`) before the next screen of that fragment.
+    """
+    names = self.fragments[p].names
+    norms = [robust.fragment_norm(offer.outer_gradient(name) for name in names)
+             for offer in offers]
+    verdicts, window = robust.judge_round([o.learner for o in offers], norms,
+                                          self._norm_windows[p], self._merge.max_norm_ratio,
+                                          self._num_learners)
+    return Screening(
+        fragment=p,
+        accepted=tuple(o for o, v in zip(offers, verdicts) if v.reason is None),
+        norms=tuple(v.norm for v in verdicts if v.reason is None),
+        rejected=tuple(Rejection(o, v.reason, v.norm, v.median)
+                       for o, v in zip(offers, verdicts) if v.reason is not None),
+        window=window)
+
+  def keep_screening(self, screening: Screening) -> None:
+    """Makes a screen's outcome the yardstick of the fragment's next screen, whether or not a merge
+    followed (every offer rejected: none did)."""
+    self._norm_windows[screening.fragment] = screening.window
+
   def merge(self, p: int, offers: Sequence[messages.Offer]) -> MergeResult:
     """The next Theta_p from `offers`, computed but not installed.
 
@@ -219,6 +273,19 @@ class GlobalModel:
     wire = compression_lib.encode_tree(new_theta, wire_formats.broadcast, wire_formats.block_size)
     return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
                        encode_s, merge_s, time.monotonic() - t2)
+
+  def unchanged(self, p: int) -> MergeResult:
+    """A merge that keeps Theta_p and its outer state: in lock-step modes a round whose every offer
+    was rejected still broadcasts (the learners wait for a new version), and each learner then
+    drops its rejected progress for Theta_p."""
+    started_at = time.monotonic()
+    with self._lock:
+      theta = dict(self._theta[p])
+    wire = compression_lib.encode_tree(theta, self._compression.broadcast,
+                                       self._compression.block_size)
+    return MergeResult(p, theta, dict(self._opt_states[p]), wire,
+                       np.zeros(self._num_learners, np.float32), 0, started_at, 0.0, 0.0,
+                       time.monotonic() - started_at)
 
   def _kept(self, p: int, version: int, name: str) -> np.ndarray:
     try:
@@ -264,7 +331,9 @@ class GlobalModel:
         "opt": {f"{i:04d}": {f"{j:04d}": leaf for j, leaf in enumerate(jax.tree.leaves(opt[p][n]))}
                 for i, (p, n) in enumerate(pairs)},
     }
-    return arrays, {"names": names, "versions": versions}
+    # The robust merge's yardsticks: a restarted syncer judges offers as the lost one would have.
+    windows = [{"norms": list(w.norms), "outliers": sorted(w.outliers)} for w in self._norm_windows]
+    return arrays, {"names": names, "versions": versions, "norm_windows": windows}
 
   def load_state(self, arrays: Mapping[str, Any], values: Mapping[str, Any]) -> None:
     """Makes a checkpoint's Theta, outer states and versions current (before any merge runs)."""
@@ -289,6 +358,10 @@ class GlobalModel:
         self._versions[p] = int(values["versions"][p])
         if self._keep_history:
           self._history[p] = {self._versions[p]: dict(theta)}
+    for p, window in enumerate(values["norm_windows"]):
+      self._norm_windows[p] = dataclasses.replace(
+          self._norm_windows[p], norms=tuple(float(n) for n in window["norms"]),
+          outliers=frozenset(int(m) for m in window["outliers"]))
 
   def take_newer(self, p: int, version: int, theta: Mapping[str, np.ndarray]) -> bool:
     """Adopts `theta` as Theta_p at `version` if that is newer than the current one (a restarted

@@ -8,22 +8,40 @@ failure was injected.
 
 A hang blocks the learner's thread for its duration (a stale learner that wakes up with its old
 state); a slow learner's steps are stretched by sleeping (factor - 1) step times after each.
+
+A nan fault corrupts the output of the learner's next step: every parameter tensor of the state
+that step returns holds a NaN, as after a diverged update or silent data corruption on a device.
+It goes through the step function itself (`wrap_train_step`), so the learner publishes and offers
+that state like any other, and finds out only from the next step's loss, as it would for real.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import numpy as np
 from absl import logging
 
 from decoupled_diloco.runtime import chaos
 
 # The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`). The others
 # parse (chaos.KINDS) but are refused at start-up.
-INJECTED_KINDS = ("crash", "hang", "slow", "syncer_crash")
+INJECTED_KINDS = ("crash", "hang", "slow", "nan", "syncer_crash")
+
+
+def check_injected(faults: Sequence[chaos.Fault]) -> None:
+  """Refuses a schedule with a kind this runtime does not fire, naming the field."""
+  unsupported = [f for f in faults if f.kind not in INJECTED_KINDS]
+  if unsupported:
+    kinds = sorted({f.kind for f in unsupported})
+    raise ValueError(f"{chaos.FIELD} event {unsupported[0].source!r}: {', '.join(kinds)} faults are "
+                     f"not injected by this runtime yet (issue #9); it injects "
+                     f"{', '.join(INJECTED_KINDS)}")
 
 
 class LearnerFailure(RuntimeError):
@@ -36,10 +54,7 @@ class FaultInjector:
   def __init__(self, faults: Sequence[chaos.Fault], random_crashes: chaos.RandomCrashes | None,
                num_learners: int, *, on_fault: Callable[[dict[str, Any]], None] | None = None,
                clock: Callable[[], float] = time.monotonic):
-    unsupported = sorted({f.kind for f in faults} - set(INJECTED_KINDS))
-    if unsupported:
-      raise ValueError(f"config.chaos.schedule: {', '.join(unsupported)} faults are not injected "
-                       f"by this runtime yet; it injects {', '.join(INJECTED_KINDS)}")
+    check_injected(faults)
     self._clock = clock
     self._on_fault = on_fault
     self._lock = threading.Lock()
@@ -51,6 +66,8 @@ class FaultInjector:
     self._next_random = {m: next(gen) for m, gen in self._random.items()}
     self._repaired_at: dict[int, float] = {}
     self._slow_until: dict[int, tuple[float, float]] = {}  # learner -> (until, factor)
+    self._corrupt_next: set[int] = set()  # learners whose next step's output gets a NaN
+    self._nan_learners = {f.learner for f in faults if f.kind == "nan"}
     self._last_call: dict[int, float] = {}
     self._stop = threading.Event()
     self._started_at: float | None = None
@@ -88,9 +105,35 @@ class FaultInjector:
     return 0.0 if self._started_at is None else self._clock() - self._started_at
 
   def repaired_at(self, learner: int) -> float:
-    """When the devices of `learner` can be used again (clock time); now if they never failed."""
+    """When the devices of `learner` can be used again (clock time); -inf if they never failed.
+
+    Not "now": a caller compares it with a time it read before asking, which "now" would always
+    exceed, and a failure that took no device down (a non-finite loss, a software error in a run
+    with faults) would then wait for a repair forever.
+    """
     with self._lock:
-      return self._repaired_at.get(learner, self._clock())
+      return self._repaired_at.get(learner, -math.inf)
+
+  def wrap_train_step(self, learner: int, train_step: Callable[[Any, Any], tuple[Any, Any]]
+                      ) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """`train_step` of `learner`, whose output state a nan fault corrupts (see the module
+    docstring). The step itself where no nan fault is scheduled for that learner.
+
+    The state is the learner's train state: a NamedTuple with a `params` dict of arrays.
+    """
+    if learner not in self._nan_learners:
+      return train_step
+
+    def step(state, batch):
+      new_state, step_metrics = train_step(state, batch)
+      with self._lock:
+        corrupt = learner in self._corrupt_next
+        self._corrupt_next.discard(learner)
+      if corrupt:
+        new_state = new_state._replace(params=jax.tree.map(_with_nan, new_state.params))
+      return new_state, step_metrics
+
+    return step
 
   def step_hook(self, learner: int, step: int) -> None:
     """Before step `step` of `learner`, on its thread: fires what is due (may raise)."""
@@ -137,6 +180,10 @@ class FaultInjector:
     if fault.kind == "hang":
       self._record(fault, learner, step, elapsed, seconds=fault.seconds)
       self._stop.wait(fault.seconds)
+    elif fault.kind == "nan":
+      self._record(fault, learner, step, elapsed)
+      with self._lock:
+        self._corrupt_next.add(learner)
     elif fault.kind == "slow":
       self._record(fault, learner, step, elapsed, seconds=fault.seconds, factor=fault.factor)
       with self._lock:
@@ -152,3 +199,16 @@ class FaultInjector:
     # `last` is taken after the previous stretch: now - last is one step's own time.
     self._stop.wait((factor - 1.0) * (now - last))
     self._last_call[learner] = self._clock()
+
+
+def _with_nan(x: jax.Array) -> jax.Array:
+  """`x` with its first value NaN (same shape, dtype and sharding).
+
+  Through the host, not `x.at[...].set`: an eager device op compiles a program per tensor shape,
+  and while the learner's thread compiled them, merges of every fragment arrived in the tiny run
+  and overwrote the NaNs before any step read them. Thread runtime only: every shard of `x` is
+  addressable here.
+  """
+  host = np.array(x)
+  host.flat[0] = np.nan
+  return jax.device_put(host, x.sharding)

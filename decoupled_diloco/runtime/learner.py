@@ -19,6 +19,12 @@ it merged, tells it exactly which of its steps are now in Theta_p:
   learner that made its last step always keeps them: nothing would replace them, and the final flush
   merges them.
 
+A step whose loss is not finite (a diverged or corrupted learner) fails the learner with
+`NonFiniteLoss` before the state after that step is published: from then on it is a failed learner
+like any other, and the supervisor restarts it from a healthy peer and Theta. The state it had
+published before (already holding NaNs, if its parameters went bad in the update before) may still be
+offered; the syncer's robust merge rejects it.
+
 `snapshot()` captures everything needed to start it again from the same point.
 
 Memory beyond a data-parallel learner: the host copies of its anchors (4 bytes per parameter), and
@@ -49,6 +55,10 @@ from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
+
+
+class NonFiniteLoss(RuntimeError):
+  """A learner's step gave a loss that is NaN or inf: its state has diverged or is corrupted."""
 
 
 class SyncerLink(Protocol):
@@ -357,6 +367,10 @@ class Learner:
     """Waits for a dispatched step, records it, publishes `state` and reports; returns its end."""
     step, tokens, step_metrics = in_flight
     loss = float(step_metrics["loss"])
+    if not math.isfinite(loss):
+      # Before publishing: the state after this step came from the bad one, and nobody may take it.
+      raise NonFiniteLoss(f"learner {self.index} (incarnation {self.incarnation}): the loss of "
+                          f"step {step} is {loss}")
     now = time.perf_counter()
     step_time = now - last_done
     self.losses.append(loss)
@@ -496,7 +510,10 @@ class Learner:
     """(the taken offer a broadcast of p merged, if its steps are still unmerged here; unknown).
 
     A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
-    step with the current progress: as if the merge had not taken this learner.
+    step with the current progress: as if the merge had not taken this learner. That happens when
+    the syncer took the offer from a publication made before an overwrite on its way was applied
+    (again, possibly, after a round that rejected it). Those steps did reach Theta_p, though: the
+    overwrite counted them as discarded, and by the counts `_record_taken` kept they leave that count.
     """
     if merged_step is None:
       return None, False

@@ -5,9 +5,12 @@ learner still training. For a due fragment it opens a round and takes the fragme
 learner's latest publication (`LearnerLink.offer`, no round trip through the learner's step loop);
 the copy to host RAM of each taken fragment runs on while the learners compute. Once K fresh offers
 have landed it waits for the adaptive grace window (or until every live learner has answered), then
-hands the merge to a worker thread: the outer gradients of the learners that are in are merged, the
-optax outer step runs, and the new Theta_p comes back to the syncer's thread, which broadcasts it to
-every live learner. Absent or late learners contribute weight 0; the syncer never waits for one.
+hands the merge to a worker thread: the outer gradients of the learners that are in are screened
+(robust merge: one that is not finite, or an outlier against the norms the fragment accepted lately,
+is rejected), the others are merged, the optax outer step runs, and the new Theta_p comes back to the
+syncer's thread, which broadcasts it to every live learner. Absent or late learners contribute
+weight 0; the syncer never waits for one. A rejected offer is as if it had not been taken: its steps
+are not merged, and the broadcast does not name it, so its learner's overwrite discards them.
 
 No step is merged twice: the syncer records, per learner and fragment, the last learner step a merge
 took in (`merged_through`) and takes a later offer only if its steps start at or after it. After
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -38,6 +42,7 @@ from jax.sharding import Mesh
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
+from decoupled_diloco.algorithm import robust
 from decoupled_diloco.runtime import global_model as global_model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
@@ -139,9 +144,10 @@ class SyncerStats:
   empty_rounds: int = 0  # rounds in which no live learner had a step to give (nothing to merge)
   due_while_in_flight: int = 0  # a fragment fell due again before its last sync finished
   peak_held_bytes: int = 0  # most the syncer held at once (see the module docstring)
-  # Offers dropped, never merged, by reason: an earlier incarnation of a restarted learner.
+  # Offers dropped, never merged, by reason: an earlier incarnation of a restarted learner, an outer
+  # gradient that is not finite or an outlier (robust.REASONS).
   rejected_offers: dict[str, int] = dataclasses.field(
-      default_factory=lambda: {"stale_incarnation": 0})
+      default_factory=lambda: {"stale_incarnation": 0, **{r: 0 for r in robust.REASONS}})
   stale_messages: int = 0  # reports of an earlier incarnation, ignored
 
 
@@ -664,17 +670,32 @@ class Syncer:
       if p not in self._rounds and p not in self._merging:
         self._open_owed(p)
 
-  def _compute_merge(self, p: int,
-                     offers: tuple[messages.Offer, ...]) -> global_model_lib.MergeResult:
-    """Runs on a worker thread: the syncer's thread installs nothing of fragment p meanwhile."""
-    return self.model.merge(p, offers)
+  def _compute_merge(self, p: int, offers: tuple[messages.Offer, ...]
+                     ) -> tuple[global_model_lib.Screening, global_model_lib.MergeResult | None]:
+    """Runs on a worker thread: the syncer's thread installs nothing of fragment p meanwhile.
+
+    Screens the offers first: Theta_p never moves from a rejected one. None: all were rejected.
+    """
+    screening = self.model.screen(p, offers)
+    if not screening.accepted:
+      # Lock-step learners wait for a new version of p: they get Theta_p back, unchanged.
+      return screening, self.model.unchanged(p) if self._sync.lock_step else None
+    return screening, self.model.merge(p, screening.accepted)
 
   # ---- back on the syncer's thread: install, broadcast, record -----------------------------------
 
   def _finish_merge(self, done: _MergeDone) -> None:
-    result: global_model_lib.MergeResult = done.future.result()  # a worker's error fails here
-    round_, offers = done.round_, done.offers
+    screening, result = done.future.result()  # a worker's error fails here
+    round_, offers = done.round_, screening.accepted
     p = round_.fragment
+    self.model.keep_screening(screening)
+    for rejection in screening.rejected:
+      self._record_rejection(p, rejection)
+    if result is None:  # every offer was rejected: Theta_p, its version and outer state stay
+      # (lock-step modes get `unchanged`, a new version of the same Theta_p)
+      self._merging.discard(p)
+      self._open_owed(p)
+      return
     with self._lock:
       live = sorted(self._live)
     version = self.model.install(result, self._anchored_versions(p, live))
@@ -701,7 +722,7 @@ class Syncer:
     stats.bytes_down += broadcast.nbytes * len(live)
     stats.bytes_allreduce += 2 * (shards - 1) * terms * _FLOAT_BYTES
     stats.peak_held_bytes = max(stats.peak_held_bytes,
-                                self.held_bytes() + sum(o.nbytes for o in offers))
+                                self.held_bytes() + sum(o.nbytes for o in done.offers))
     quorum_at = round_.quorum_at or done.closed_at
     decision = {
         "fragment": p, "version": version, "clock": round_.clock, "final": round_.final,
@@ -712,6 +733,7 @@ class Syncer:
         "learner_steps": [o.step for o in offers],
         "since_steps": [o.since for o in offers],
         "anchor_versions": [o.anchor_version for o in offers],
+        "norms": [round(n, 6) for n in screening.norms],  # ||Delta_m||, the robust merge's yardstick
         "quorum_wait_s": round(quorum_at - round_.opened_at, 5),
         "grace_window_s": round((round_.deadline or quorum_at) - quorum_at, 5),
         "grace_waited_s": round(done.closed_at - quorum_at, 5),
@@ -729,6 +751,21 @@ class Syncer:
           "syncer/sync_s": sync_s,
           "syncer/bytes_learner_syncer": stats.bytes_up + stats.bytes_down})
     self._open_owed(p)
+
+  def _record_rejection(self, p: int, rejection: global_model_lib.Rejection) -> None:
+    offer = rejection.offer
+    self.stats.rejected_offers[rejection.reason] += 1
+    median = "none yet" if rejection.median is None else f"{rejection.median:.4g}"
+    logging.warning("syncer: rejected learner %d's offer of fragment %d (step %d, incarnation %d): "
+                    "%s outer gradient, norm %.4g, median of accepted norms %s", offer.learner, p,
+                    offer.step, offer.incarnation, rejection.reason, rejection.norm, median)
+    if self._metrics is not None:
+      # A norm that is not finite is written as null: metrics.jsonl stays strict JSON.
+      self._metrics.write("rejected", {
+          "learner": offer.learner, "incarnation": offer.incarnation, "fragment": p,
+          "step": offer.step, "reason": rejection.reason,
+          "norm": rejection.norm if math.isfinite(rejection.norm) else None,
+          "median": rejection.median})
 
   def _anchored_versions(self, p: int, live: list[int]) -> list[int]:
     """Versions of fragment p that a live learner, or an offer in an open round, may be anchored

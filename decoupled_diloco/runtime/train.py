@@ -166,6 +166,8 @@ def build(settings: settings_lib.RunSettings, *,
     started = time.perf_counter()
     _compile(train_step, state, settings.learner_batch_size, data.seq_len)
     compile_seconds["train_compile_s"] += time.perf_counter() - started
+    if injector is not None:
+      train_step = injector.wrap_train_step(index, train_step)  # nan faults corrupt its output
     loader = data_lib.make_train_loader(
         train_tokens, seq_len=data.seq_len, batch_size=settings.learner_batch_size,
         shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
