@@ -507,3 +507,32 @@ def test_the_robust_merge_yardstick_survives_a_syncer_checkpoint(running):
   offers = [_offer(fresh, m, p, 101.0, step=3, since=1, anchor=1.0, anchor_version=1)
             for m in range(1)]
   assert [r.reason for r in fresh.model.screen(p, offers).rejected] == ["outlier"]
+
+
+def test_a_restarted_syncer_never_merges_an_offer_anchored_before_the_theta_it_took_back(running):
+  """The lost syncer merged learner 1's steps (0, 2] of fragment p as version 1 after its last
+  checkpoint (version 0): the restored merge records know nothing of them. Learner 0 had applied
+  version 1, so the restarted syncer takes it back from learner 0's anchor. Learner 1 had not,
+  and offers the same steps again, anchored at version 0: merged again they would count twice,
+  so the restarted syncer answers it as stale (`Syncer.recover`'s minimum anchor)."""
+  saved = _syncer()[0].state()
+  syncer, (a, b) = _syncer(quorum=1)
+  p = 1
+  versions = np.zeros(len(syncer.model.fragments), np.int64)
+  versions[p] = 1
+  in_p = set(syncer.model.fragments[p].names)
+  anchors = {n: np.full(s, 1.0 if n in in_p else 0.0, np.float32) for n, s in SHAPES.items()}
+  zeros = np.zeros(len(versions), np.int64)
+  held_by_0 = messages.Publication(step=3, params={}, since=zeros + 2, counter_steps=zeros + 1,
+                                   counter_tokens=zeros + 100, anchor_versions=versions,
+                                   anchors=anchors, training=True)
+  info = syncer.recover(saved, {0: held_by_0}, stats=syncer.stats, tape=[])
+  assert info["fragments_from_learners"] == [p] and syncer.model.version(p) == 1
+  b.answers[p] = _offer(syncer, 1, p, 5.0, step=2, since=0, anchor=0.0, anchor_version=0)
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.stats.stale_answers >= 1)
+  time.sleep(0.2)
+  assert syncer.stats.merges == 0 and syncer.model.version(p) == 1
+  for name in in_p:
+    np.testing.assert_array_equal(syncer.global_params()[name], 1.0)
