@@ -157,6 +157,7 @@ class RunSettings:
   num_learners: int  # learners that train (1 in dp mode)
   learner_mesh_shapes: tuple[tuple[int, int], ...]  # (data, model) per learner
   learner_step_delays_s: tuple[float, ...]  # per learner
+  late_learners: tuple[int, ...]  # held back at start; each joins at its join@ event
   syncer: SyncerSettings
   sync: SyncSettings | None  # None in dp mode
   merge: MergeSettings
@@ -342,6 +343,24 @@ def _step_delays(config, num_learners: int) -> tuple[float, ...]:
   return tuple(float(d) for d in delays) or (0.0,) * num_learners
 
 
+def _late_learners(config, mode: str, num_learners: int,
+                   faults: Sequence[chaos.Fault]) -> tuple[int, ...]:
+  late = _get(config, "late_learners")
+  if not isinstance(late, (list, tuple)) or any(
+      isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < num_learners for m in late):
+    _fail("late_learners", late, f"must be a tuple of learner indices in [0, {num_learners})")
+  if len(set(late)) != len(late):
+    _fail("late_learners", late, "must not repeat a learner")
+  if late and len(late) >= num_learners:
+    _fail("late_learners", late, f"must leave at least one of num_learners={num_learners} "
+                                 "learners training from the start")
+  if late and mode != "decoupled":
+    _fail("late_learners", late, f"learners join mid-run in config.mode='decoupled' only "
+                                 f"(mode={mode!r}): the lock-step modes train a fixed set")
+  chaos.check_joins(faults, late)
+  return tuple(int(m) for m in late)
+
+
 def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   period = _check_int(config, "sync.period", 1)
   num_fragments = _check_int(config, "sync.num_fragments", 1)
@@ -448,6 +467,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners)
   max_restarts = _check_int(config, "max_restarts", 0)
+  late_learners = _late_learners(config, mode, num_learners, chaos_settings.faults)
   checkpoint, restore = _resolve_checkpoint(config, workdir)
   merge_settings = MergeSettings(
       rule=_check_choice(config, "merge.rule", merge.MERGE_RULES),
@@ -518,7 +538,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       mode=mode, seed=seed, workdir=workdir, num_steps=num_steps, log_every=log_every,
       eval_every=eval_every, eval_batches=eval_batches, stall_timeout_s=stall_timeout_s,
       max_restarts=max_restarts, devices=devices, num_learners=num_learners, learner_mesh_shapes=mesh_shapes,
-      learner_step_delays_s=delays, syncer=syncer, sync=sync, merge=merge_settings,
+      learner_step_delays_s=delays, late_learners=late_learners, syncer=syncer, sync=sync, merge=merge_settings,
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
       learner_batch_size=learner_batch_size)

@@ -29,6 +29,10 @@ def get_config() -> ml_collections.ConfigDict:
   # devices are back, from a healthy peer's state and the syncer's Theta (decoupled mode); after
   # this many restarts of one learner the run goes on without it.
   config.max_restarts = 20
+  # Learners held back at start (decoupled mode): each joins mid-run at its
+  # join@learner=M,second=T event of chaos.schedule, through the rejoin path (a peer's state and the
+  # syncer's Theta), as a scavenged slice would. E.g. (3,) with "join@learner=3,second=60".
+  config.late_learners = ()
 
   # Faults to inject (decoupled mode), see decoupled_diloco/runtime/chaos.py. E.g.
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"

@@ -240,3 +240,53 @@ def test_a_failure_is_noticed_and_healed_while_the_controller_is_busy_evaluating
   [fault] = summary["faults"]
   assert fault["failed_at_s"] - fault["at_s"] < 1.0
   assert fault["repaired_at_s"] - fault["at_s"] < 1.5
+
+
+def test_a_late_learner_joins_mid_run_from_a_peer_and_theta(tmp_path):
+  """config.late_learners: learner 3 is held back (not started, not in any round) until its join
+  second, then starts from a peer's state and Theta, like a rejoin; nothing is counted twice."""
+  joined_at = {}
+
+  def first_step(learner, step):
+    if learner == 3 and not joined_at:
+      current = run.learners[3]
+      joined_at.update(step=step, params={n: np.asarray(v) for n, v in
+                                          current.flat_params().items()},
+                       versions=current.published.anchor_versions.copy())
+
+  run = _build(tmp_path, "join@learner=3,second=0.5", step_hook=first_step,
+               late_learners=(3,), learner_step_delays_s=(0.05,) * 4)
+  installed = _record_installed_theta(run)
+  summary = train.execute(run, progress=False)
+  assert summary["joins"] == 1 and summary["rejoins"] == 0 and summary["failures"] == []
+  [join] = summary["faults"]
+  assert join["fault"] == "join" and join["learner"] == 3 and join["second"] == 0.5
+  assert join["joined_at_s"] >= 0.5 and join["state_from"].startswith("learner ")
+  assert join["step"] == join["step_after"] == joined_at["step"] > 1
+  assert join["bytes_to_rejoiner"] > 0 and join["repair_to_first_step_s"] > 0
+  for p, fragment in enumerate(run.fragments):
+    theta = installed[p, int(joined_at["versions"][p])]
+    for name in fragment.names:
+      np.testing.assert_array_equal(joined_at["params"][name], theta[name])
+  # No round before the join took learner 3; after it, merges take its steps.
+  merged_3 = [r for r in run.syncer.tape if 3 in r["learners"]]
+  assert merged_3 and all(r["incarnations"][r["learners"].index(3)] == 1 for r in merged_3)
+  assert summary["learner_steps"] == [24] * 4
+  assert summary["tokens_trained"] == (3 * 24 + 24 - join["step_after"]) * (
+      run.settings.learner_batch_size * run.settings.data.seq_len)
+  assert summary["unmerged_steps_at_end"] == [0] * 4 and summary["double_merged_offers"] == 0
+  _assert_every_token_is_accounted_for(summary)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"late_learners": (3,)}, "needs exactly one join@learner=3"),
+    ({"chaos__schedule": "join@learner=2,second=1"}, "not in config.late_learners"),
+    ({"late_learners": (0, 1, 2, 3), "chaos__schedule": ";".join(
+        f"join@learner={m},second=1" for m in range(4))}, "must leave at least one"),
+    ({"late_learners": (4,)}, r"config.late_learners=\(4,\) is invalid"),
+    ({"late_learners": (1,), "chaos__schedule": "join@learner=1,second=1", "mode": "diloco"},
+     "config.mode='decoupled' only"),
+])
+def test_bad_late_learners_are_refused_at_start_up(tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    tiny_settings(tmp_path, **overrides)

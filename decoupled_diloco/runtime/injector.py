@@ -31,7 +31,7 @@ from decoupled_diloco.runtime import chaos
 
 # The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`). The others
 # parse (chaos.KINDS) but are refused at start-up.
-INJECTED_KINDS = ("crash", "hang", "slow", "nan", "syncer_crash")
+INJECTED_KINDS = ("crash", "hang", "slow", "nan", "syncer_crash", "join")
 
 
 def check_injected(faults: Sequence[chaos.Fault]) -> None:
@@ -58,13 +58,17 @@ class FaultInjector:
     self._clock = clock
     self._on_fault = on_fault
     self._lock = threading.Lock()
-    self._pending = {m: [f for f in faults if f.learner == m] for m in range(num_learners)}
+    # Fired on the learners' threads; a join is not (the learner is not running): the supervisor
+    # admits a late learner once `repaired_at` says its devices are there.
+    self._pending = {m: [f for f in faults if f.learner == m and f.kind != "join"]
+                     for m in range(num_learners)}
+    self._joins = {f.learner: f for f in faults if f.kind == "join"}
     # Fired by the controller (`syncer_keeper.SyncerKeeper`), not on a learner's thread.
     self.syncer_faults = [f for f in faults if f.kind == "syncer_crash"]
     self._random = {m: random_crashes.crashes(m) for m in range(num_learners)
                     } if random_crashes is not None and random_crashes.enabled else {}
     self._next_random = {m: next(gen) for m, gen in self._random.items()}
-    self._repaired_at: dict[int, float] = {}
+    self._repaired_at: dict[int, float] = {m: math.inf for m in self._joins}  # set by start()
     self._slow_until: dict[int, tuple[float, float]] = {}  # learner -> (until, factor)
     self._corrupt_next: set[int] = set()  # learners whose next step's output gets a NaN
     self._nan_learners = {f.learner for f in faults if f.kind == "nan"}
@@ -79,6 +83,15 @@ class FaultInjector:
     run, the seconds trained before)."""
     started_at = self._clock() if started_at is None else started_at
     self._started_at = started_at - self._offset_s
+    with self._lock:
+      for m, join in self._joins.items():
+        self._repaired_at[m] = min(self._repaired_at[m], self._started_at + join.second)
+
+  def record_join(self, learner: int, step: int, **extra) -> dict[str, Any]:
+    """Late `learner` joined at `step` (the supervisor admitted it): its `join` fault record,
+    kept (and updated by the caller) in `records`."""
+    join = self._joins[learner]
+    return self._record(join, learner, step, self.elapsed(), second=join.second, **extra)
 
   def resume(self, elapsed_s: float, fired: Sequence[dict[str, Any]],
              steps: Sequence[int]) -> None:

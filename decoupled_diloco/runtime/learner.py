@@ -225,7 +225,8 @@ class Learner:
     self._release.set()
 
   def join(self, timeout: float | None = None) -> None:
-    self._thread.join(timeout)
+    if self._thread.ident is not None:  # a late learner that never joined has nothing to end
+      self._thread.join(timeout)
 
   @property
   def alive(self) -> bool:

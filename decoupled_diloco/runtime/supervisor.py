@@ -16,6 +16,11 @@ now for a failure that took no device down), and starts the next incarnation:
 
 The failed incarnation's state is never read again: only its host-side counters, to account for
 what it lost. Each restart is a record in `records` and a `rejoin` line in metrics.jsonl.
+
+A late learner (`config.late_learners`) joins through the same path (spec §6, scavenging): it is
+built but neither started nor attached to the syncer, waits like a failed learner whose devices
+come back at its `join@` second, then starts from a peer's state and Theta as incarnation 1. Its
+record is a `join` fault (`on_join`), not a failure: it lost nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Supervisor:
                syncer: Callable[[], syncer_lib.Syncer | None], *,
                init_opt_state: Callable[[Any], Any], repaired_at: Callable[[int], float],
                max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
+               late_learners: tuple[int, ...] = (),
+               on_join: Callable[..., dict[str, Any]] | None = None,
                clock: Callable[[], float] = time.monotonic):
     self.learners = learners  # the run's list: a restart replaces its entry
     self._syncer = syncer  # the running syncer; None while it is down (a rejoin then waits)
@@ -52,7 +59,12 @@ class Supervisor:
     self._clock = clock
     self._started_at = clock()
     self._failed: dict[int, dict[str, Any]] = {}  # learner -> record of the failure being healed
-    self._waiting_first_step: dict[int, dict[str, Any]] = {}
+    # Late learners wait as failed ones do, until their devices are there (their join second).
+    for m in late_learners:
+      self._failed[m] = {"learner": m, "_joining": True}
+    self._on_join = on_join
+    # learner -> (its rejoin or join record, when its devices were repaired)
+    self._waiting_first_step: dict[int, tuple[dict[str, Any], float]] = {}
     self.restarts = [0] * len(learners)
     self.retired: list[learner_lib.Learner] = []  # failed incarnations, for the accounting
     self.start_steps = [0] * len(learners)  # where each learner's current incarnation started
@@ -110,11 +122,10 @@ class Supervisor:
       if m in self._failed and now >= self._repaired_at(m) and self._syncer() is not None:
         self._rejoin(m)
         restarted = True
-      record = self._waiting_first_step.get(m)
-      if record is not None and self.learners[m].first_step_done_at is not None:
-        first = self.learners[m].first_step_done_at
-        record["repair_to_first_step_s"] = round(first - record["_repaired_clock"], 3)
-        del record["_repaired_clock"], self._waiting_first_step[m]
+      waiting = self._waiting_first_step.get(m)
+      if waiting is not None and self.learners[m].first_step_done_at is not None:
+        record, repaired = self._waiting_first_step.pop(m)
+        record["repair_to_first_step_s"] = round(self.learners[m].first_step_done_at - repaired, 3)
         self._write(record)
     return restarted
 
@@ -149,10 +160,16 @@ class Supervisor:
              and l.published.opt_state is not None]
     return max(peers, key=lambda l: l.published.step, default=None)
 
+  def holds_back(self, m: int) -> bool:
+    """Learner m is late and has not joined yet: not started, not attached."""
+    return self._failed.get(m, {}).get("_joining", False)
+
   def _rejoin(self, m: int) -> None:
     record = self._failed.pop(m)
+    joining = record.get("_joining", False)
     failed = self.learners[m]
-    failed.join(timeout=10)  # it has failed; its thread is only posting its exit
+    if not joining:
+      failed.join(timeout=10)  # it has failed; its thread is only posting its exit
     repaired = self._clock()
     syncer = self._syncer()
     theta, versions = syncer.model.received()
@@ -179,19 +196,24 @@ class Supervisor:
     new = failed.respawn(snapshot)
     self.learners[m] = new
     self.start_steps[m] = step
-    self.restarts[m] += 1
+    if not joining:
+      self.restarts[m] += 1
     syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
     new.start()
     theta_bytes = sum(int(v.nbytes) for v in theta.values())
     opt_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
                     for x in jax.tree.leaves(opt_state))
+    if joining:
+      record = self._on_join(m, step) if self._on_join is not None else {"learner": m}
+      record.update(joined_at_s=self._elapsed(repaired))
     record.update(restarted=True, repaired_at_s=self._elapsed(repaired),
                   incarnation_after=new.incarnation, step_after=step, state_from=source,
                   bytes_to_rejoiner=theta_bytes + opt_bytes,
-                  rejoin_build_s=round(self._clock() - repaired, 3), _repaired_clock=repaired)
-    self._waiting_first_step[m] = record
-    logging.info("learner %d rejoined as incarnation %d at step %d (state from %s, %.1f MB)",
-                 m, new.incarnation, step, source, record["bytes_to_rejoiner"] / 1e6)
+                  rejoin_build_s=round(self._clock() - repaired, 3))
+    self._waiting_first_step[m] = (record, repaired)
+    logging.info("learner %d %s as incarnation %d at step %d (state from %s, %.1f MB)",
+                 m, "joined" if joining else "rejoined", new.incarnation, step, source,
+                 record["bytes_to_rejoiner"] / 1e6)
 
   def _write(self, record: dict[str, Any]) -> None:
     if self._metrics is not None:

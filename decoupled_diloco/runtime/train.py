@@ -192,7 +192,10 @@ def build(settings: settings_lib.RunSettings, *,
     compile_seconds["syncer_compile_s"] = syncer.compile_seconds
     if restored is not None:
       syncer.load_state(restored.cut.syncer, with_history=True)
-  learner_cuts = _learner_cuts(restored, history, syncer, layout) if restored else {}
+  # Late learners that have not joined yet (in a resumed run: by the checkpoint's faults).
+  joined = {f["learner"] for f in history["faults"] if f["fault"] == "join"}
+  held_back = tuple(m for m in settings.late_learners if m not in joined)
+  learner_cuts = _learner_cuts(restored, history, syncer, layout, held_back) if restored else {}
   learners = []
   for index, (train_step, state, shardings, batches) in enumerate(built):
     options = learner_lib.LearnerOptions(
@@ -213,7 +216,7 @@ def build(settings: settings_lib.RunSettings, *,
         snapshot=job_state.learner_snapshot(cut, state) if cut is not None else None,
         incarnation=cut.incarnation if cut is not None else 0)
     learners.append(learner)
-    if syncer is not None:
+    if syncer is not None and index not in held_back:
       syncer.attach(index, learner, step=learner.step, incarnation=learner.incarnation,
                     anchor_versions=learner.counters().anchor_versions if cut else None)
   # The global model is evaluated where the model lives: on learner 0's mesh, sharded the way that
@@ -233,7 +236,8 @@ def build(settings: settings_lib.RunSettings, *,
     supervisor = supervisor_lib.Supervisor(
         learners, lambda: None if keeper.down else keeper.syncer, init_opt_state=jax.jit(tx.init),
         repaired_at=injector.repaired_at if injector is not None else lambda _: 0.0,
-        max_restarts=settings.max_restarts, metrics=metrics)
+        max_restarts=settings.max_restarts, metrics=metrics, late_learners=held_back,
+        on_join=injector.record_join if injector is not None else None)
     supervisor.restarts = list(history["restarts"])
     supervisor.start_steps = list(history["start_steps"])
   if injector is not None and restored is not None:
@@ -245,12 +249,13 @@ def build(settings: settings_lib.RunSettings, *,
 
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
-                  syncer: syncer_lib.Syncer | None, layout: model_lib.ParamLayout
-                  ) -> dict[int, checkpoints_lib.LearnerCut]:
+                  syncer: syncer_lib.Syncer | None, layout: model_lib.ParamLayout,
+                  held_back: tuple[int, ...]) -> dict[int, checkpoints_lib.LearnerCut]:
   """Each learner's state in the checkpoint; one absent from it (it had failed and was waiting
-  for its repair when the cut was taken) rejoins from a peer's state and the syncer's Theta."""
+  for its repair when the cut was taken) rejoins from a peer's state and the syncer's Theta. A
+  late learner that had not joined yet (`held_back`) still joins at its join second."""
   cuts = {c.index: c for c in restored.cut.learners}
-  absent = [m for m in range(len(history["steps_made"])) if m not in cuts]
+  absent = [m for m in range(len(history["steps_made"])) if m not in cuts and m not in held_back]
   if absent and (syncer is None or not cuts):
     raise checkpoints_lib.CheckpointError(
         f"{restored.path} holds no state of learner(s) {absent} and no peer to rejoin from")
@@ -317,7 +322,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     if run.keeper is not None:
       run.keeper.start(started, run.history["train_seconds"], run.history["faults"])
     for learner in learners:
-      learner.start()
+      if run.supervisor is None or not run.supervisor.holds_back(learner.index):
+        learner.start()
     _train_until_done(run, evals, progress, saver, stop)
     if stop.signum is not None:
       _stop_with_checkpoint(run, saver, stop.signum)
@@ -754,6 +760,7 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
       "faults": faults,
       "failures": failures,
       "rejoins": sum(1 for r in failures if r.get("restarted")),
+      "joins": sum(1 for f in faults if f["fault"] == "join"),  # late learners admitted
       # Syncer crashes and what each restart restored (from its checkpoint, from the learners).
       "syncer_restarts": len(run.keeper.records) if run.keeper is not None else 0,
       "posts_lost_while_syncer_down": (sum(r["posts_lost"] for r in run.keeper.records)
