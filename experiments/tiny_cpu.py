@@ -92,6 +92,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.sync.grace_cap_s = 1.0  # upper bound of the grace window, seconds
   config.sync.ema_decay = 0.9  # of the step / quorum / sync time estimates
   config.sync.fragmentation = "balanced"  # balanced | round_robin | layer_strided
+  # Heartbeats: a learner whose step reports stop for longer than this is absent (hung, cut off by a
+  # partition, dead without a word): not counted for the quorum, not waited for in a grace window,
+  # its late offers get weight 0; its next report takes it back and the syncer sends it every
+  # Theta_p newer than it holds. Not published. 0 = auto: 10 x that learner's step-time EMA, at
+  # least 5 s (decoupled_diloco/algorithm/heartbeat.py says why); > 0 = seconds.
+  config.sync.heartbeat_timeout_s = 0.0
 
   config.merge = ml_collections.ConfigDict()
   config.merge.rule = "rda"  # rda | average (non-embedding tensors; the embedding is always averaged)

@@ -55,13 +55,15 @@ class NotLanded(np.ndarray):
 
 def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
             num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
-            num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None):
+            num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None,
+            heartbeat_timeout_s=0.0):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
                                       embedding_names=("embedder/embedding",))
   sync = SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
                       lock_step=False, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
-                      ema_decay=0.0, fragmentation="balanced")
+                      ema_decay=0.0, fragmentation="balanced",
+                      heartbeat_timeout_s=heartbeat_timeout_s)
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("learner",))
   syncer = syncer_lib.Syncer(
       sync=sync, fragments=fragments,
