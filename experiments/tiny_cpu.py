@@ -34,7 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
   # Injected today: crash, hang, slow, nan (its parameters go NaN; the learner fails on the next
   # non-finite loss and is restarted, and the syncer rejects the NaN offer it made meanwhile),
-  # syncer_crash (restarted from checkpoint.dir/syncer and the learners' newest Theta_p).
+  # partition (its reports, pulls and broadcasts are lost for seconds=T; sync.heartbeat_timeout_s
+  # finds it absent, and it is sent what it missed when it reports again), syncer_crash (restarted
+  # from checkpoint.dir/syncer and the learners' newest Theta_p).
   # Random crashes: mtbf_s > 0 per learner, exponential; repairs Weibull with mean repair_s and
   # shape repair_shape (the goodput simulator's model).
   config.chaos = ml_collections.ConfigDict()
