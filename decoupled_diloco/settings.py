@@ -29,6 +29,7 @@ import ml_collections
 
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import heartbeat
 from decoupled_diloco.algorithm import merge
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import schedule as schedule_lib
@@ -73,6 +74,9 @@ class SyncSettings:
   grace_cap_s: float
   ema_decay: float
   fragmentation: str
+  # A learner silent (no step report) for longer is absent: no quorum, no grace wait, late offers
+  # weight 0, until it reports again. Seconds; 0 = auto (algorithm/heartbeat.py). Decoupled only.
+  heartbeat_timeout_s: float
 
   @property
   def schedule(self) -> schedule_lib.SyncSchedule:
@@ -370,6 +374,12 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   grace_cap_s = _check_float(config, "sync.grace_cap_s", 0.0)
   ema_decay = _check_float(config, "sync.ema_decay", 0.0, 1.0, high_open=True)
   fragmentation = _check_choice(config, "sync.fragmentation", fragments_lib.METHODS)
+  heartbeat_timeout_s = _get(config, "sync.heartbeat_timeout_s")
+  if (isinstance(heartbeat_timeout_s, bool) or not isinstance(heartbeat_timeout_s, (int, float))
+      or not heartbeat_timeout_s >= 0):  # NaN fails too
+    _fail("sync.heartbeat_timeout_s", heartbeat_timeout_s,
+          f"must be a number of seconds >= 0 (0 = auto: {heartbeat.AUTO_MULTIPLE:g} x the "
+          f"learner's step-time EMA, at least {heartbeat.AUTO_FLOOR_S:g} s)")
   lock_step = False
   if mode == "diloco":
     # DiLoCo: every H steps all learners stop, the whole model is merged, then training resumes.
@@ -382,7 +392,8 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   schedule_lib.SyncSchedule(num_fragments, period, overlap)
   return SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
                       lock_step=lock_step, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
-                      ema_decay=ema_decay, fragmentation=fragmentation)
+                      ema_decay=ema_decay, fragmentation=fragmentation,
+                      heartbeat_timeout_s=float(heartbeat_timeout_s))
 
 
 def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:

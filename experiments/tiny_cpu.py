@@ -38,7 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
   # Injected today: crash, hang, slow, nan (its parameters go NaN; the learner fails on the next
   # non-finite loss and is restarted, and the syncer rejects the NaN offer it made meanwhile),
-  # syncer_crash (restarted from checkpoint.dir/syncer and the learners' newest Theta_p).
+  # partition (its reports, pulls and broadcasts are lost for seconds=T; sync.heartbeat_timeout_s
+  # finds it absent, and it is sent what it missed when it reports again), syncer_crash (restarted
+  # from checkpoint.dir/syncer and the learners' newest Theta_p).
   # Random crashes: mtbf_s > 0 per learner, exponential; repairs Weibull with mean repair_s and
   # shape repair_shape (the goodput simulator's model).
   config.chaos = ml_collections.ConfigDict()
@@ -96,6 +98,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.sync.grace_cap_s = 1.0  # upper bound of the grace window, seconds
   config.sync.ema_decay = 0.9  # of the step / quorum / sync time estimates
   config.sync.fragmentation = "balanced"  # balanced | round_robin | layer_strided
+  # Heartbeats: a learner whose step reports stop for longer than this is absent (hung, cut off by a
+  # partition, dead without a word): not counted for the quorum, not waited for in a grace window,
+  # its late offers get weight 0; its next report takes it back and the syncer sends it every
+  # Theta_p newer than it holds. Not published. 0 = auto: 10 x that learner's step-time EMA, at
+  # least 5 s (decoupled_diloco/algorithm/heartbeat.py says why); > 0 = seconds.
+  config.sync.heartbeat_timeout_s = 0.0
 
   config.merge = ml_collections.ConfigDict()
   config.merge.rule = "rda"  # rda | average (non-embedding tensors; the embedding is always averaged)

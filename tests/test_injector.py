@@ -56,6 +56,6 @@ def test_a_learner_whose_devices_never_failed_counts_as_repaired_before_any_time
 
 
 def test_a_kind_this_runtime_does_not_inject_is_refused_naming_the_event():
-  with pytest.raises(ValueError, match="config.chaos.schedule event 'partition@learner=0,step=1,"
-                                       "seconds=1': partition faults are not injected"):
-    _injector("crash@learner=0,step=1,down_s=1;partition@learner=0,step=1,seconds=1")
+  with pytest.raises(ValueError, match="config.chaos.schedule event 'corrupt_checkpoint@second=1': "
+                                       "corrupt_checkpoint faults are not injected"):
+    _injector("crash@learner=0,step=1,down_s=1;corrupt_checkpoint@second=1")

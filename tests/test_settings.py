@@ -33,6 +33,9 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("sync.period", 25, "config.sync.period"),  # H must be a multiple of P = 24
     ("sync.fragmentation", "random", "config.sync.fragmentation='random'"),
     ("sync.grace_gamma", 1.5, "config.sync.grace_gamma=1.5"),
+    ("sync.heartbeat_timeout_s", -1.0, "config.sync.heartbeat_timeout_s=-1.0 is invalid: must be "
+     "a number of seconds >= 0 (0 = auto"),
+    ("sync.heartbeat_timeout_s", float("nan"), "config.sync.heartbeat_timeout_s=nan"),
     ("merge.rule", "median", "config.merge.rule='median'"),
     ("merge.weighting", "loss", "config.merge.weighting='loss'"),
     ("merge.anchor", "peer", "config.merge.anchor='peer'"),

@@ -55,13 +55,15 @@ class NotLanded(np.ndarray):
 
 def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
             num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
-            num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None):
+            num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None,
+            heartbeat_timeout_s=0.0):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
                                       embedding_names=("embedder/embedding",))
   sync = SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
                       lock_step=False, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
-                      ema_decay=0.0, fragmentation="balanced")
+                      ema_decay=0.0, fragmentation="balanced",
+                      heartbeat_timeout_s=heartbeat_timeout_s)
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("learner",))
   syncer = syncer_lib.Syncer(
       sync=sync, fragments=fragments,
@@ -445,7 +447,10 @@ def test_a_nonfinite_and_an_outlier_offer_are_rejected_and_theta_is_the_merge_of
   for name in syncer.model.fragments[p].names:
     np.testing.assert_allclose(syncer.global_params()[name], 2.5, rtol=1e-6)
   # The broadcast names the merged offers only: the rejected learners' overwrite drops those steps.
-  assert links[1].received[-1].merged_offers == {0: 3, 3: 3}
+  # (Learners 1 and 2 are also reminded of their offers the first merge took, which they applied.)
+  assert links[0].received[-1].merged_offers == {0: 3, 3: 3}
+  assert [links[m].received[-1].merged_offers for m in (1, 2)] == [{0: 3, 3: 3, m: 1}
+                                                                   for m in (1, 2)]
   # Their steps were not merged: the next round asks them from where the last accepted merge ended.
   _step(syncer, range(4), 5)
   def last_asked(link):
@@ -536,3 +541,50 @@ def test_a_restarted_syncer_never_merges_an_offer_anchored_before_the_theta_it_t
   assert syncer.stats.merges == 0 and syncer.model.version(p) == 1
   for name in in_p:
     np.testing.assert_array_equal(syncer.global_params()[name], 1.0)
+
+
+def test_a_learner_that_stops_reporting_is_absent_after_the_timeout_and_back_when_it_reports(
+    running, tmp_path):
+  """Heartbeats (issue 9): with K = 2 of 2, a silent learner holds a round only until its
+  heartbeat timeout; then the round closes with the other's quorum, the silent one is not asked
+  (an offer it makes meanwhile is not merged), and its next report takes it back."""
+  metrics = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+  timeout = 0.4
+  syncer, (a, b) = _syncer(quorum=2, heartbeat_timeout_s=timeout, metrics=metrics)
+  p = 1  # due at clock 1, 3, 5 (P = H = 2)
+  a.answers[p] = lambda merged_through: _offer(syncer, 0, p, 1.0, step=merged_through + 2,
+                                               since=merged_through)
+  running(syncer)
+  step = [1]
+
+  def learner_0_reports():  # learner 0 stays alive: it reports its step every 50 ms
+    _step(syncer, [0], step[0])
+    time.sleep(0.05)
+    return False
+
+  started = time.monotonic()
+  _step(syncer, [0], 1)  # learner 1 never reports: it is silent since it was attached
+  _wait(lambda: learner_0_reports() or time.monotonic() - started > timeout / 2)
+  assert not syncer.tape  # within its timeout the quorum of 2 still waits for it
+  _wait(lambda: learner_0_reports() or syncer.tape)
+  assert time.monotonic() - started >= timeout
+  assert syncer.tape[0]["learners"] == [0]
+  assert syncer.stats.absences == 1 and syncer.stats.rounds_without_quorum == 0
+  # While absent it is neither asked nor waited for: an offer it has now is not merged.
+  b.answers[p] = _offer(syncer, 1, p, 5.0, step=3)
+  asked_before = len(b.asked)
+  step[0] = 3
+  _wait(lambda: learner_0_reports() or syncer.stats.merges == 2)
+  assert syncer.tape[1]["learners"] == [0] and len(b.asked) == asked_before
+  # It reports again (holding no merged version): taken back, sent the newer Theta_p, and asked.
+  syncer.post(messages.StepReport(1, 3, 0.01, 100, np.zeros(2, np.int64)))
+  _wait(lambda: syncer.stats.returns == 1)
+  assert sum((bc.fragment, bc.version) == (p, 2) for bc in b.received) == 2  # merge + catch-up
+  _step(syncer, [0, 1], 5)
+  _wait(lambda: syncer.stats.merges == 3)
+  assert syncer.tape[2]["learners"] == [0, 1]
+  metrics.close()
+  [absent] = metrics_lib.read_records(str(tmp_path), "absent")
+  [back] = metrics_lib.read_records(str(tmp_path), "back")
+  assert (absent["learner"], absent["timeout_s"]) == (1, timeout) and absent["silent_s"] > timeout
+  assert (back["learner"], back["fragments_sent"]) == (1, [p]) and back["absent_s"] > 0

@@ -40,10 +40,11 @@ from absl import logging
 from decoupled_diloco import settings as settings_lib
 
 # Fields a resumed run may change: where and how often it writes, what it injects, how long it
-# runs, how it reports. Every other field must equal the checkpoint's (`fingerprint`).
+# runs, how it reports, how fast it gives up on a silent learner. Every other field must equal the
+# checkpoint's (`fingerprint`).
 _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_every",
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
-               "syncer.num_workers", "learner_step_delays_s")
+               "syncer.num_workers", "learner_step_delays_s", "sync.heartbeat_timeout_s")
 _JOB, _SYNCER = "job", "syncer"
 _COUNTERS = ("since", "counter_steps", "counter_tokens", "anchor_versions")
 

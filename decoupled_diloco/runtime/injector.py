@@ -7,7 +7,9 @@ the cluster's repair service: it knows when a crashed learner's devices are back
 failure was injected.
 
 A hang blocks the learner's thread for its duration (a stale learner that wakes up with its old
-state); a slow learner's steps are stretched by sleeping (factor - 1) step times after each.
+state); a slow learner's steps are stretched by sleeping (factor - 1) step times after each. A
+partition cuts the learner's links to the syncer (`network.Network`) for its duration: what would
+cross is lost, and the learner trains on.
 
 A nan fault corrupts the output of the learner's next step: every parameter tensor of the state
 that step returns holds a NaN, as after a diverged update or silent data corruption on a device.
@@ -28,10 +30,11 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco.runtime import chaos
+from decoupled_diloco.runtime import network as network_lib
 
 # The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`). The others
 # parse (chaos.KINDS) but are refused at start-up.
-INJECTED_KINDS = ("crash", "hang", "slow", "nan", "syncer_crash", "join")
+INJECTED_KINDS = ("crash", "hang", "slow", "nan", "partition", "syncer_crash", "join")
 
 
 def check_injected(faults: Sequence[chaos.Fault]) -> None:
@@ -55,6 +58,9 @@ class FaultInjector:
                num_learners: int, *, on_fault: Callable[[dict[str, Any]], None] | None = None,
                clock: Callable[[], float] = time.monotonic):
     check_injected(faults)
+    # The links between the learners and the syncer, which partitions cut: the runtime routes the
+    # learners' posts and the syncer's pulls and broadcasts through it (runtime/network.py).
+    self.network = network_lib.Network(clock)
     self._clock = clock
     self._on_fault = on_fault
     self._lock = threading.Lock()
@@ -197,6 +203,10 @@ class FaultInjector:
       self._record(fault, learner, step, elapsed)
       with self._lock:
         self._corrupt_next.add(learner)
+    elif fault.kind == "partition":
+      record = self._record(fault, learner, step, elapsed, seconds=fault.seconds,
+                            ended_at_s=round(elapsed + fault.seconds, 3))
+      self.network.partition(learner, fault.seconds, record)
     elif fault.kind == "slow":
       self._record(fault, learner, step, elapsed, seconds=fault.seconds, factor=fault.factor)
       with self._lock:

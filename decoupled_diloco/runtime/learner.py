@@ -57,6 +57,9 @@ from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
 
 
+_DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
+
+
 class NonFiniteLoss(RuntimeError):
   """A learner's step gave a loss that is NaN or inf: its state has diverged or is corrupted."""
 
@@ -314,9 +317,16 @@ class Learner:
         if self._syncer is not None:
           self._syncer.post(messages.TrainingDone(self.index, self.step, self.incarnation))
       self.finished_training.set()
+      said_done_at = time.monotonic()
       while not self._release.is_set():
         # After the last step the learner still serves offers and takes merges (the final flush).
         self._serve(timeout=0.02)
+        if (self._syncer is not None and self._finished
+            and time.monotonic() - said_done_at >= _DONE_REPEAT_S):
+          # Its heartbeat while it has no step to report: a TrainingDone lost on the way (a
+          # partition) would leave the syncer's flush waiting for steps that never come.
+          said_done_at = time.monotonic()
+          self._syncer.post(messages.TrainingDone(self.index, self.step, self.incarnation))
       self._serve(timeout=0.0)
     except BaseException as err:  # pylint: disable=broad-except
       # A failed learner just stops contributing (spec §6): report it, never raise into others.

@@ -136,6 +136,9 @@ class Answer(enum.Enum):
 
   NOTHING = "nothing"  # the publication is current but holds no step on this fragment
   STALE = "stale"  # a merge of its earlier steps has not been applied yet: ask again later
+  # No answer came back: the link to the learner is down (a partition, runtime/network.py). Not
+  # an answer about the learner's state: ask again later.
+  UNREACHABLE = "unreachable"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,15 @@ syncer's thread, which broadcasts it to every live learner. Absent or late learn
 weight 0; the syncer never waits for one. A rejected offer is as if it had not been taken: its steps
 are not merged, and the broadcast does not name it, so its learner's overwrite discards them.
 
+Heartbeats (issue 9, detection): a learner still training whose step reports stop for longer than
+its timeout (`algorithm/heartbeat.py`) is *absent*: rounds neither ask it nor wait for it, the
+quorum counts the others, and an offer of it still copying is late (weight 0). It stays attached and
+is still sent every broadcast (a hung learner applies them when it wakes). Its next report takes it
+back, and the syncer then sends it every Theta_p newer than the versions that report says it holds:
+broadcasts lost on the way (a partition, `runtime/network.py`) are made good. Every broadcast names,
+for each learner, the last offer of it that a merge of the fragment took, so a learner that lost the
+broadcast of that merge still counts those steps as merged, not discarded.
+
 No step is merged twice: the syncer records, per learner and fragment, the last learner step a merge
 took in (`merged_through`) and takes a later offer only if its steps start at or after it. After
 training, `flush()` runs one final round per fragment that waits for every live learner's answer, so
@@ -42,10 +51,12 @@ from jax.sharding import Mesh
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
+from decoupled_diloco.algorithm import heartbeat
 from decoupled_diloco.algorithm import robust
 from decoupled_diloco.runtime import global_model as global_model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import network as network_lib
 
 _FLOAT_BYTES = 4
 
@@ -149,6 +160,9 @@ class SyncerStats:
   rejected_offers: dict[str, int] = dataclasses.field(
       default_factory=lambda: {"stale_incarnation": 0, **{r: 0 for r in robust.REASONS}})
   stale_messages: int = 0  # reports of an earlier incarnation, ignored
+  absences: int = 0  # a learner found silent for longer than its heartbeat timeout
+  returns: int = 0  # an absent learner reported again and was taken back
+  catch_up_fragments: int = 0  # Theta_p sent to a learner taken back, newer than it held
 
 
 class Syncer:
@@ -167,8 +181,10 @@ class Syncer:
       num_learners: int,
       num_workers: int,
       metrics: metrics_lib.MetricsWriter | None = None,
+      network: network_lib.Network | None = None,
   ):
     self._sync = sync
+    self._network = network  # the links to the learners go through it (partitions)
     self._schedule = sync.schedule
     self._metrics = metrics
     self.model = global_model_lib.GlobalModel(
@@ -179,6 +195,9 @@ class Syncer:
     self._incarnations: dict[int, int] = {}
     self._live: set[int] = set()
     self._training: set[int] = set()
+    self._absent: set[int] = set()  # live, but silent past the heartbeat timeout
+    self._last_report_at: dict[int, float] = {}  # learner -> its last message (or attach)
+    self._absent_at: dict[int, float] = {}
     self._learner_steps: dict[int, int] = {}
     self._reported_anchors: dict[int, np.ndarray] = {}
     self._merged_through: dict[tuple[int, int], int] = {}
@@ -217,6 +236,8 @@ class Syncer:
     It takes part from the next round on. `anchor_versions` are the Theta_p versions its state
     starts from: the syncer sends it every fragment merged since, so it misses no broadcast.
     """
+    if self._network is not None:
+      link = self._network.link(learner, link)
     self._inbox.put(_Attach(learner, link, step, incarnation, anchor_versions))
 
   def start(self) -> None:
@@ -365,6 +386,7 @@ class Syncer:
     try:
       while not self._stop.is_set():
         self._receive(self._wait_timeout())
+        self._check_heartbeats()
         self._poll_rounds()
         self._collect_landed_offers()
         self._close_ready_rounds()
@@ -425,6 +447,8 @@ class Syncer:
       return
     if self._from_earlier_incarnation(message):
       return
+    if isinstance(message, (messages.StepReport, messages.TrainingDone)):
+      self._last_report_at[message.learner] = time.monotonic()  # its heartbeat
     if isinstance(message, messages.StepReport):
       self._learner_steps[message.learner] = message.step
       self._grace = self._grace.observe_step(message.learner, message.step_time_s)
@@ -444,6 +468,7 @@ class Syncer:
       with self._lock:
         self._live.discard(message.learner)
       self._training.discard(message.learner)
+      self._absent.discard(message.learner)
       self._advance_clock()
       if message.error:
         # Its state is gone: what it offered and no merge has taken yet is never merged.
@@ -475,6 +500,8 @@ class Syncer:
     self._incarnations[m] = message.incarnation
     self._learners[m] = message.link
     self._learner_steps[m] = message.step
+    self._last_report_at[m] = time.monotonic()  # silent from now on counts
+    self._absent.discard(m)
     if restarted:
       # Its steps count again from `step` (a peer's): records of the earlier incarnation go.
       self._drop_offers_of(m)
@@ -492,6 +519,86 @@ class Syncer:
       # A learner that finished while no syncer listened (its TrainingDone was lost) is not
       # training; one that finishes from now on says so after this.
       self._training.add(m)
+
+  def _naming_last_merged(self, m: int, broadcast: messages.Broadcast) -> messages.Broadcast:
+    """`broadcast` as sent to learner m: it also names the last offer of m that a merge of the
+    fragment took. In order that is one m has applied already (a no-op there); after a lost
+    broadcast (a partition) it tells m that those steps are in Theta_p, so its overwrite does not
+    count them as discarded too."""
+    p = broadcast.fragment
+    merged = self._merged_through.get((m, p), 0)
+    if m in broadcast.merged_offers or merged <= 0:
+      return broadcast
+    return dataclasses.replace(broadcast, merged_offers={**broadcast.merged_offers, m: merged})
+
+  # ---- heartbeats ------------------------------------------------------------------------------
+
+  def _check_heartbeats(self) -> None:
+    """Marks absent the learners silent past their timeout, takes back those that reported.
+
+    Only learners still training are watched (a finished one has no step to report); the
+    lock-step modes wait for every learner by design and are not watched.
+    """
+    if self._sync.lock_step:
+      return
+    now = time.monotonic()
+    watched = self._live & self._training
+    emas = {m: ema.value for m, ema in self._grace.step_times}
+    absent = heartbeat.absent({m: self._last_report_at.get(m, now) for m in watched}, emas, now,
+                              self._sync.heartbeat_timeout_s)
+    for m in sorted(absent - self._absent):
+      self._mark_absent(m, now, heartbeat.timeout_s(self._sync.heartbeat_timeout_s, emas.get(m)))
+    for m in sorted(self._absent - absent):
+      if m in self._live:
+        self._take_back(m, now)
+      else:
+        self._absent.discard(m)
+
+  def _mark_absent(self, m: int, now: float, timeout_s: float) -> None:
+    self._absent.add(m)
+    self._absent_at[m] = now
+    self.stats.absences += 1
+    for round_ in self._rounds.values():
+      # Its offers still on their way are late: weight 0 (the flush still waits for them).
+      if not round_.final and round_.copying.pop(m, None) is not None:
+        self.stats.late_offers += 1
+    record = {"learner": m, "incarnation": self._incarnations.get(m, 0),
+              "step": self._learner_steps.get(m, 0),
+              "silent_s": round(now - self._last_report_at.get(m, now), 3),
+              "timeout_s": round(timeout_s, 3)}
+    logging.warning("syncer: learner %d has not reported for %.2f s (timeout %.2f s, "
+                    "config.sync.heartbeat_timeout_s): absent, merging without it", m,
+                    record["silent_s"], timeout_s)
+    if self._metrics is not None:
+      self._metrics.write("absent", record)
+
+  def _take_back(self, m: int, now: float) -> None:
+    """m reported again: it counts from the next poll on, and gets every Theta_p newer than the
+    versions its report says it holds (it may have lost broadcasts meanwhile)."""
+    self._absent.discard(m)
+    self.stats.returns += 1
+    held = self._reported_anchors.get(m)
+    sent, nbytes = [], 0
+    for p in range(len(self.model.fragments)):
+      if held is not None and self.model.version(p) <= held[p]:
+        continue
+      version, wire = self.model.wire(p)
+      if version == 0:
+        continue  # never merged: it holds the initial Theta_p
+      broadcast = self._naming_last_merged(m, messages.Broadcast(p, version, wire))
+      self._learners[m].deliver(broadcast)
+      sent.append(p)
+      nbytes += broadcast.nbytes
+    self.stats.catch_up_fragments += len(sent)
+    self.stats.bytes_down += nbytes
+    record = {"learner": m, "incarnation": self._incarnations.get(m, 0),
+              "step": self._learner_steps.get(m, 0),
+              "absent_s": round(now - self._absent_at.pop(m, now), 3), "fragments_sent": sent,
+              "bytes_sent": nbytes}
+    logging.info("syncer: learner %d reports again at step %d: taken back, sent %d newer "
+                 "fragment(s)", m, record["step"], len(sent))
+    if self._metrics is not None:
+      self._metrics.write("back", record)
 
   def _drop_offers_of(self, m: int) -> None:
     for round_ in self._rounds.values():
@@ -541,7 +648,7 @@ class Syncer:
     for p, round_ in self._rounds.items():
       if not round_.poll:
         continue
-      for m in sorted(self._live):
+      for m in sorted(self._live - self._absent):
         if m in round_.offers or m in round_.copying or m in round_.answered:
           continue
         merged_through = self._merged_through.get((m, p), 0)
@@ -553,7 +660,7 @@ class Syncer:
           round_.copying[m] = (answer, time.monotonic())
         elif answer is messages.Answer.STALE:
           self.stats.stale_answers += 1
-        elif m not in self._training:
+        elif answer is messages.Answer.NOTHING and m not in self._training:
           round_.answered.add(m)  # it will make no new step: nothing to wait for
 
   def _accept_pushed(self, offer: messages.Offer) -> None:
@@ -585,7 +692,9 @@ class Syncer:
     for p in list(self._rounds):
       round_ = self._rounds[p]
       fresh = [o for o in round_.offers.values() if o.fresh]
-      live = self._live
+      # The flush waits for every live learner; a regular round neither waits for nor counts an
+      # absent one (heartbeats).
+      live = self._live if round_.final else self._live - self._absent
       waiting_for = live - set(round_.offers) - round_.answered
       if not live:
         self._close(round_, [])
@@ -599,7 +708,7 @@ class Syncer:
         self._grace = self._grace.observe_quorum(now - round_.opened_at)
         window = 0.0
         if round_.use_grace:
-          window = self._grace.window(self._training or live, overlap=self._sync.overlap,
+          window = self._grace.window((self._training & live) or live, overlap=self._sync.overlap,
                                       gamma=self._sync.grace_gamma, cap=self._sync.grace_cap_s)
         round_.deadline = now + window
       if round_.quorum_at is not None:
@@ -708,7 +817,7 @@ class Syncer:
     broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current})
     deliver_at = time.monotonic()
     for m in live:
-      self._learners[m].deliver(broadcast)
+      self._learners[m].deliver(self._naming_last_merged(m, broadcast))
     now = time.monotonic()
     self._merging.discard(p)
     sync_s = now - done.closed_at

@@ -28,6 +28,7 @@ from decoupled_diloco.runtime import chaos
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import network as network_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 
 _DRAIN_TIMEOUT_S = 10.0  # longest a restart waits for the learners to apply what they were sent
@@ -35,14 +36,19 @@ _DRAIN_TIMEOUT_S = 10.0  # longest a restart waits for the learners to apply wha
 
 class SyncerPort:
   """What the learners post to: the running syncer, or nothing while it is down (posts are lost,
-  as they would be to a dead process, and counted)."""
+  as they would be to a dead process, and counted). A post of a learner cut off by a partition
+  (`network`) is lost before it leaves, and counted in that partition's record."""
 
-  def __init__(self, syncer: syncer_lib.Syncer | None):
+  def __init__(self, syncer: syncer_lib.Syncer | None,
+               network: network_lib.Network | None = None):
     self._syncer = syncer
+    self._network = network
     self._lock = threading.Lock()
     self.dropped = 0
 
   def post(self, message: Any) -> None:
+    if self._network is not None and self._network.lost(getattr(message, "learner", None)):
+      return
     syncer = self._syncer
     if syncer is None:
       with self._lock:

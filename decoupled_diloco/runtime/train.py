@@ -146,6 +146,8 @@ def build(settings: settings_lib.RunSettings, *,
         settings.chaos.faults, settings.chaos.random_crashes, settings.num_learners,
         on_fault=lambda record: metrics.write("fault", record))
     step_hook = _chain_hooks(step_hook, injector.step_hook)
+  # Learner <-> syncer links go through it: a partition fault cuts them (runtime/network.py).
+  network = injector.network if injector is not None else None
   built, graphdef, initial = [], None, None
   compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
                      "syncer_compile_s": 0.0}
@@ -182,13 +184,13 @@ def build(settings: settings_lib.RunSettings, *,
                                             settings.outer.momentum),
         merge=settings.merge, compression=settings.compression,
         num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
-        metrics=metrics)
+        metrics=metrics, network=network)
     made.compile()
     return made
 
   if sync is not None:
     syncer = make_syncer()
-    port = keeper_lib.SyncerPort(syncer)
+    port = keeper_lib.SyncerPort(syncer, network)
     compile_seconds["syncer_compile_s"] = syncer.compile_seconds
     if restored is not None:
       syncer.load_state(restored.cut.syncer, with_history=True)
@@ -767,6 +769,12 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
                                        if run.keeper is not None else 0),
       "rejected_offers": dict(stats.rejected_offers),
       "fragment_token_accounting": accounting,
+      # Heartbeats: learners found silent past config.sync.heartbeat_timeout_s, and taken back.
+      "heartbeat_absences": stats.absences,
+      "heartbeat_returns": stats.returns,
+      # Posts of and broadcasts to a learner cut off by a partition fault (lost, not delayed).
+      "partition_messages_lost": sum(f.get("messages_lost", 0) for f in faults
+                                     if f["fault"] == "partition"),
   }
 
 

@@ -1,0 +1,113 @@
+"""A partition between one learner and the syncer, in the real runtime (issue 9, `partition`).
+
+For T seconds nothing reaches or leaves the learner: the syncer finds it silent (heartbeats) and
+merges without it, it trains on, and once the link is back its next report takes it back and the
+syncer sends it every Theta_p it missed. Nothing is lost silently: every token is still merged,
+discarded, lost or unmerged.
+"""
+
+import threading
+import time
+
+from conftest import tiny_settings
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import network as network_lib
+from decoupled_diloco.runtime import train
+
+M, S, SECONDS = 1, 6, 1.5  # partition@learner=M,step=S,seconds=SECONDS
+
+
+class _Log:
+  """Thread-safe (time, ...) events."""
+
+  def __init__(self):
+    self.events = []
+    self._lock = threading.Lock()
+
+  def add(self, *event):
+    with self._lock:
+      self.events.append((time.monotonic(), *event))
+
+
+def test_a_partitioned_learner_trains_on_is_merged_without_and_catches_up_when_it_heals(tmp_path):
+  steps, installs, received = _Log(), _Log(), _Log()
+  run = train.build(
+      tiny_settings(tmp_path, chaos__schedule=f"partition@learner={M},step={S},seconds={SECONDS}",
+                    sync__heartbeat_timeout_s=0.3, sync__num_fragments=8, sync__period=8,
+                    num_steps=48, learner_step_delays_s=(0.05,) * 4),
+      step_hook=lambda learner, step: steps.add(learner, step))
+  install = run.syncer.model.install
+
+  def logged_install(result, anchored=()):
+    version = install(result, anchored)
+    installs.add(result.fragment, version)
+    return version
+
+  run.syncer.model.install = logged_install
+  learner = run.learners[M]
+  deliver = learner.deliver
+  # What reaches the learner, past the partitioned link (the syncer holds that link, not this).
+  learner.deliver = lambda broadcast: (received.add(broadcast.fragment, broadcast.version),
+                                       deliver(broadcast))
+  summary = train.execute(run, progress=False)
+
+  # Its step hook runs just before the injector's: the partition's start, to the microsecond.
+  [begin] = [t for t, m, step in steps.events if (m, step) == (M, S)]
+  end = begin + SECONDS
+  [fault] = summary["faults"]
+  assert (fault["fault"], fault["learner"], fault["step"]) == ("partition", M, S)
+  assert fault["ended_at_s"] == round(fault["at_s"] + SECONDS, 3)
+  assert fault["messages_lost"] > 0 and summary["partition_messages_lost"] == fault["messages_lost"]
+  # It trained on; the others kept merging without it.
+  assert len([e for e in steps.events if e[1] == M and begin < e[0] < end]) >= 5
+  missed = {}
+  for t, p, version in installs.events:
+    if begin < t < end:
+      missed[p] = max(missed.get(p, 0), version)
+  assert len(missed) >= 4, "the others kept merging during the partition"
+  assert not [e for e in received.events if begin + 0.01 < e[0] < end - 0.01], "nothing crossed"
+  # Heartbeats saw it absent, then back; taken back, it was sent every Theta_p it missed at once:
+  # before it had made 3 steps past the heal (a fragment's own next merge is 8 steps away).
+  assert summary["heartbeat_absences"] >= 1 and summary["heartbeat_returns"] >= 1
+  [back] = [r for r in metrics_lib.read_records(str(tmp_path), "back") if r["learner"] == M]
+  assert set(back["fragments_sent"]) >= set(missed)
+  third_step_after = sorted(t for t, m, _ in steps.events if m == M and t > end)[2]
+  caught_up = {}
+  for t, p, version in received.events:
+    if end <= t < third_step_after:
+      caught_up[p] = max(caught_up.get(p, 0), version)
+  assert all(caught_up.get(p, 0) >= v for p, v in missed.items()), (missed, caught_up)
+  assert summary["learner_steps"] == [48] * 4 and summary["rejoins"] == 0
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
+                            + tokens["unmerged_at_end"])
+  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+  assert summary["double_merged_offers"] == 0 and summary["unmerged_steps_at_end"] == [0] * 4
+
+
+def test_a_partition_loses_posts_pulls_and_broadcasts_and_heals_on_time():
+  now = [0.0]
+  network = network_lib.Network(clock=lambda: now[0])
+
+  class Link:
+    delivered = []
+
+    def offer(self, p, merged_through):
+      return messages.Answer.NOTHING
+
+    def deliver(self, broadcast):
+      self.delivered.append(broadcast)
+
+  link = network.link(1, Link())
+  record = {}
+  network.partition(1, 2.0, record)
+  assert network.lost(1) and not network.lost(0)  # a post of learner 1 is lost, learner 0's not
+  assert link.offer(0, 0) is messages.Answer.UNREACHABLE
+  link.deliver(messages.Broadcast(0, 1, {}))
+  assert not Link.delivered
+  assert record == {"messages_lost": 2, "pulls_lost": 1}
+  now[0] = 2.0  # healed
+  assert not network.lost(1) and link.offer(0, 0) is messages.Answer.NOTHING
+  link.deliver(messages.Broadcast(0, 1, {}))
+  assert len(Link.delivered) == 1 and record["messages_lost"] == 2
