@@ -104,6 +104,11 @@ class FaultInjector:
   def elapsed(self) -> float:
     return 0.0 if self._started_at is None else self._clock() - self._started_at
 
+  def clock_at(self, elapsed_s: float) -> float:
+    """The clock time of a record's `at_s` (seconds into the run's training, earlier segments
+    of a resumed run included)."""
+    return (self._clock() if self._started_at is None else self._started_at) + elapsed_s
+
   def repaired_at(self, learner: int) -> float:
     """When the devices of `learner` can be used again (clock time); -inf if they never failed.
 

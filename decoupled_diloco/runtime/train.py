@@ -36,6 +36,7 @@ from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import goodput as goodput_lib
 from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
@@ -68,6 +69,8 @@ class Run:
   # Saves the syncer's state and restarts it after a crash (decoupled mode); its `syncer` is the
   # current one, which `execute` keeps in `syncer`.
   keeper: keeper_lib.SyncerKeeper | None = None
+  # time.monotonic() when training started: the origin of fault records and of the goodput window.
+  started_at: float | None = None
 
 
 class Interrupted(Exception):
@@ -309,6 +312,7 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     if syncer is not None:
       syncer.start()
     started = time.monotonic()  # the origin of the fault and failure records' seconds
+    run.started_at = started
     saver.train_started = time.perf_counter()
     if run.injector is not None:
       run.injector.start(started)
@@ -355,6 +359,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   train_seconds += run.history["train_seconds"]
   wall_seconds = time.perf_counter() - start + run.history["wall_seconds"]
   summary = _summary(run, evals, train_seconds, wall_seconds)
+  summary.update(goodput_lib.summary(goodput_lib.whole_run(
+      run, started_at=run.started_at, ended_at=time.monotonic(), final=True)))
   run.metrics.flush()
   with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
@@ -362,6 +368,9 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     logging.info("done: final eval loss %.4f nats/byte, %.1f s, summary in %s",
                  final["eval_loss"], summary["wall_seconds"],
                  os.path.join(settings.workdir, "summary.json"))
+    logging.info("goodput %.1f%% (learner-seconds on steps that reached the global model), uptime "
+                 "%.1f%% (wall time with a learner training); per learner in time_buckets",
+                 100 * summary["goodput"], 100 * summary["uptime"])
   run.metrics.close()
   return summary
 
@@ -531,6 +540,8 @@ class _Checkpointer:
         "wall_seconds": base["wall_seconds"] + time.perf_counter() - self._started,
         "resumes": list(base["resumes"]),
         "absent_data": absent_data,
+        "time_accounting": goodput_lib.whole_run(
+            run, started_at=run.started_at, ended_at=time.monotonic(), final=False).to_json(),
     }
 
   def close(self, raise_errors: bool = True) -> None:
