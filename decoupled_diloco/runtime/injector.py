@@ -29,9 +29,10 @@ from absl import logging
 
 from decoupled_diloco.runtime import chaos
 
-# The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`). The others
-# parse (chaos.KINDS) but are refused at start-up.
-INJECTED_KINDS = ("crash", "hang", "slow", "nan", "syncer_crash")
+# The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`,
+# corrupt_checkpoint through `checkpoint_faults.CheckpointCorrupter`). The others parse
+# (chaos.KINDS) but are refused at start-up.
+INJECTED_KINDS = ("crash", "hang", "slow", "nan", "syncer_crash", "corrupt_checkpoint")
 
 
 def check_injected(faults: Sequence[chaos.Fault]) -> None:
@@ -61,6 +62,7 @@ class FaultInjector:
     self._pending = {m: [f for f in faults if f.learner == m] for m in range(num_learners)}
     # Fired by the controller (`syncer_keeper.SyncerKeeper`), not on a learner's thread.
     self.syncer_faults = [f for f in faults if f.kind == "syncer_crash"]
+    self.checkpoint_faults = [f for f in faults if f.kind == "corrupt_checkpoint"]
     self._random = {m: random_crashes.crashes(m) for m in range(num_learners)
                     } if random_crashes is not None and random_crashes.enabled else {}
     self._next_random = {m: next(gen) for m, gen in self._random.items()}
