@@ -69,6 +69,11 @@ def test_a_corrupted_newest_checkpoint_is_skipped_at_resume_for_the_previous_one
   assert skipped["number"] == second and skipped["path"] == fault["checkpoint"]
   assert "CRC-32" in skipped["reason"] or "rror" in skipped["reason"]
   assert summary["learner_steps"] == [tiny_settings(tmp_path).num_steps] * 4
+  # Goodput covers the whole run: the buckets of the segment before the checkpoint, from its
+  # history, and the resumed run's, as wall_seconds does.
+  assert resumed.history["time_accounting"]["window_s"] > 0.3
+  for buckets in summary["time_buckets"].values():
+    assert sum(buckets.values()) == pytest.approx(summary["wall_seconds"], abs=0.2)
 
 
 def test_with_no_checkpoint_on_disk_yet_nothing_is_damaged_and_the_fault_says_so(tmp_path):
