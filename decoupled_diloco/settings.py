@@ -480,6 +480,10 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   max_restarts = _check_int(config, "max_restarts", 0)
   late_learners = _late_learners(config, mode, num_learners, chaos_settings.faults)
   checkpoint, restore = _resolve_checkpoint(config, workdir)
+  if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
+                                         for f in chaos_settings.faults):
+    _fail("chaos.schedule", chaos_settings.schedule, "corrupt_checkpoint damages the newest "
+          "checkpoint, but config.checkpoint.every_steps=0 writes none")
   merge_settings = MergeSettings(
       rule=_check_choice(config, "merge.rule", merge.MERGE_RULES),
       weighting=_check_choice(config, "merge.weighting", merge.WEIGHTINGS),

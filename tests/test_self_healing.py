@@ -210,9 +210,6 @@ def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"chaos__schedule": "crash@learner=7,step=1,down_s=1"}, "learner=7 is out of range"),
-    ({"chaos__schedule": "crash@learner=0,step=1,down_s=1;corrupt_checkpoint@second=1"},
-     "config.chaos.schedule event 'corrupt_checkpoint@second=1': corrupt_checkpoint faults are "
-     "not injected by this runtime yet"),
     ({"chaos__schedule": "crash@learner=0,step=1,down_s=1", "mode": "dp"},
      "config.mode='decoupled' only"),
     ({"chaos__mtbf_s": 5.0, "mode": "diloco"}, "config.chaos.mtbf_s"),

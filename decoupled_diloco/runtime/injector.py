@@ -32,9 +32,10 @@ from absl import logging
 from decoupled_diloco.runtime import chaos
 from decoupled_diloco.runtime import network as network_lib
 
-# The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`). The others
-# parse (chaos.KINDS) but are refused at start-up.
-INJECTED_KINDS = ("crash", "hang", "slow", "nan", "partition", "syncer_crash", "join")
+# The kinds this runtime fires (syncer_crash through `syncer_keeper.SyncerKeeper`,
+# corrupt_checkpoint through `checkpoint_faults.CheckpointCorrupter`, join through the supervisor).
+INJECTED_KINDS = ("crash", "hang", "slow", "nan", "partition", "syncer_crash", "join",
+                  "corrupt_checkpoint")
 
 
 def check_injected(faults: Sequence[chaos.Fault]) -> None:
@@ -71,6 +72,7 @@ class FaultInjector:
     self._joins = {f.learner: f for f in faults if f.kind == "join"}
     # Fired by the controller (`syncer_keeper.SyncerKeeper`), not on a learner's thread.
     self.syncer_faults = [f for f in faults if f.kind == "syncer_crash"]
+    self.checkpoint_faults = [f for f in faults if f.kind == "corrupt_checkpoint"]
     self._random = {m: random_crashes.crashes(m) for m in range(num_learners)
                     } if random_crashes is not None and random_crashes.enabled else {}
     self._next_random = {m: next(gen) for m, gen in self._random.items()}
@@ -122,6 +124,11 @@ class FaultInjector:
 
   def elapsed(self) -> float:
     return 0.0 if self._started_at is None else self._clock() - self._started_at
+
+  def clock_at(self, elapsed_s: float) -> float:
+    """The clock time of a record's `at_s` (seconds into the run's training, earlier segments
+    of a resumed run included)."""
+    return (self._clock() if self._started_at is None else self._started_at) + elapsed_s
 
   def repaired_at(self, learner: int) -> float:
     """When the devices of `learner` can be used again (clock time); -inf if they never failed.

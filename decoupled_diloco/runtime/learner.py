@@ -183,6 +183,11 @@ class Learner:
     self.losses: list[float] = []
     self.step_times: list[float] = []
     self.first_step_done_at: float | None = None  # time.monotonic() when its first step completed
+    # time.monotonic() when its first step started, when each step completed, and when it failed:
+    # the goodput accounting's timestamps (`runtime/goodput.py`).
+    self.train_started_at: float | None = None
+    self.step_ends: list[float] = []
+    self.failed_at: float | None = None
     self.steps_made = 0  # by this incarnation
     self.discarded_fragment_tokens = 0  # tokens of the discarded fragment-steps
     # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
@@ -331,6 +336,7 @@ class Learner:
     except BaseException as err:  # pylint: disable=broad-except
       # A failed learner just stops contributing (spec §6): report it, never raise into others.
       error = f"{type(err).__name__}: {err}"
+      self.failed_at = time.monotonic()
       self.error = err
       logging.error("learner %d failed at step %d: %s", self.index, self.step, error)
     finally:
@@ -342,6 +348,7 @@ class Learner:
     opts = self._options
     in_flight = None  # (step, tokens, metrics) of the last dispatched step
     last_done = time.perf_counter()
+    self.train_started_at = time.monotonic()
     while self.step < opts.num_steps and not self._stop.is_set():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
@@ -386,6 +393,7 @@ class Learner:
     step_time = now - last_done
     self.losses.append(loss)
     self.step_times.append(step_time)
+    self.step_ends.append(time.monotonic())
     if self.first_step_done_at is None:
       self.first_step_done_at = time.monotonic()
     published = self._publish(state)

@@ -34,8 +34,10 @@ from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import evaluate
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import checkpoint_faults
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import goodput as goodput_lib
 from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
@@ -68,6 +70,10 @@ class Run:
   # Saves the syncer's state and restarts it after a crash (decoupled mode); its `syncer` is the
   # current one, which `execute` keeps in `syncer`.
   keeper: keeper_lib.SyncerKeeper | None = None
+  # Fires config.chaos's corrupt_checkpoint faults (None when it schedules none).
+  corrupter: checkpoint_faults.CheckpointCorrupter | None = None
+  # time.monotonic() when training started: the origin of fault records and of the goodput window.
+  started_at: float | None = None
 
 
 class Interrupted(Exception):
@@ -244,10 +250,14 @@ def build(settings: settings_lib.RunSettings, *,
     supervisor.start_steps = list(history["start_steps"])
   if injector is not None and restored is not None:
     injector.resume(history["train_seconds"], history["faults"], [l.step for l in learners])
+  corrupter = None
+  if injector is not None and injector.checkpoint_faults:
+    corrupter = checkpoint_faults.CheckpointCorrupter(
+        injector.checkpoint_faults, saver if settings.checkpoint.every_steps else None, metrics)
   return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
-             history, restored, keeper)
+             history, restored, keeper, corrupter)
 
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
@@ -316,6 +326,7 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     if syncer is not None:
       syncer.start()
     started = time.monotonic()  # the origin of the fault and failure records' seconds
+    run.started_at = started
     saver.train_started = time.perf_counter()
     if run.injector is not None:
       run.injector.start(started)
@@ -323,6 +334,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       run.supervisor.start(started)
     if run.keeper is not None:
       run.keeper.start(started, run.history["train_seconds"], run.history["faults"])
+    if run.corrupter is not None:
+      run.corrupter.start(started, run.history["train_seconds"], run.history["faults"])
     for learner in learners:
       if run.supervisor is None or not run.supervisor.holds_back(learner.index):
         learner.start()
@@ -363,6 +376,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   train_seconds += run.history["train_seconds"]
   wall_seconds = time.perf_counter() - start + run.history["wall_seconds"]
   summary = _summary(run, evals, train_seconds, wall_seconds)
+  summary.update(goodput_lib.summary(goodput_lib.whole_run(
+      run, started_at=run.started_at, ended_at=time.monotonic(), final=True)))
   run.metrics.flush()
   with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
@@ -370,6 +385,9 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     logging.info("done: final eval loss %.4f nats/byte, %.1f s, summary in %s",
                  final["eval_loss"], summary["wall_seconds"],
                  os.path.join(settings.workdir, "summary.json"))
+    logging.info("goodput %.1f%% (learner-seconds on steps that reached the global model), uptime "
+                 "%.1f%% (wall time with a learner training); per learner in time_buckets",
+                 100 * summary["goodput"], 100 * summary["uptime"])
   run.metrics.close()
   return summary
 
@@ -524,6 +542,7 @@ class _Checkpointer:
                               sum(l.discarded_fragment_tokens for l in this_run))
     faults = [dict(f) for f in run.injector.records] if run.injector is not None else []
     faults += [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else []
+    faults += [dict(f) for f in run.corrupter.records] if run.corrupter is not None else []
     failures = supervisor.summary_records() if supervisor is not None else []
     return {
         "steps_made": steps_made,
@@ -539,6 +558,8 @@ class _Checkpointer:
         "wall_seconds": base["wall_seconds"] + time.perf_counter() - self._started,
         "resumes": list(base["resumes"]),
         "absent_data": absent_data,
+        "time_accounting": goodput_lib.whole_run(
+            run, started_at=run.started_at, ended_at=time.monotonic(), final=False).to_json(),
     }
 
   def close(self, raise_errors: bool = True) -> None:
@@ -572,6 +593,8 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
     if keeper is not None:
       keeper.tick()
       run.syncer = syncer = keeper.syncer
+    if run.corrupter is not None:
+      run.corrupter.tick()
     _check_syncer(syncer)
     _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)
@@ -738,7 +761,8 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
     lost += failure["lost_fragment_tokens"]
   faults = [dict(f) for f in history["faults"]] + (
       [dict(f) for f in run.injector.records] if run.injector is not None else []) + (
-      [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else [])
+      [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else []) + (
+      [dict(f) for f in run.corrupter.records] if run.corrupter is not None else [])
   for fault in faults:
     if fault["fault"] == "crash":
       healed = [r for r in failures if r["learner"] == fault["learner"]
