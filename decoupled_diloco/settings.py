@@ -73,6 +73,9 @@ class SyncSettings:
   grace_cap_s: float
   ema_decay: float
   fragmentation: str
+  # Lock-step modes: a learner that is down is dropped from the barrier (the round merges the
+  # learners present) and taken back when it rejoins; False = every learner waits for it.
+  elastic_lock_step: bool
 
   @property
   def schedule(self) -> schedule_lib.SyncSchedule:
@@ -351,6 +354,7 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   grace_cap_s = _check_float(config, "sync.grace_cap_s", 0.0)
   ema_decay = _check_float(config, "sync.ema_decay", 0.0, 1.0, high_open=True)
   fragmentation = _check_choice(config, "sync.fragmentation", fragments_lib.METHODS)
+  elastic_lock_step = _check_bool(config, "sync.elastic_lock_step")
   lock_step = False
   if mode == "diloco":
     # DiLoCo: every H steps all learners stop, the whole model is merged, then training resumes.
@@ -363,7 +367,8 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   schedule_lib.SyncSchedule(num_fragments, period, overlap)
   return SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
                       lock_step=lock_step, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
-                      ema_decay=ema_decay, fragmentation=fragmentation)
+                      ema_decay=ema_decay, fragmentation=fragmentation,
+                      elastic_lock_step=elastic_lock_step)
 
 
 def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
@@ -375,13 +380,21 @@ def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
       repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
       seed=_check_int(config, "chaos.seed", 0))
   injector.check_injected(faults)
-  if (faults or random_crashes.enabled) and mode != "decoupled":
-    field, value = ("chaos.schedule", schedule) if faults else ("chaos.mtbf_s",
-                                                               random_crashes.mtbf_s)
-    _fail(field, value, f"faults are injected in config.mode='decoupled' only for now "
-                        f"(mode={mode!r}): the dp and lock-step answers need whole-job "
-                        "checkpoints (issue #9)")
-  return ChaosSettings(schedule, random_crashes.mtbf_s, random_crashes.repair_s,
+  configured_mtbf_s = random_crashes.mtbf_s
+  syncer_crashes = [f for f in faults if f.kind == "syncer_crash"]
+  if syncer_crashes and mode != "decoupled":
+    why = ("dp mode has no syncer" if mode == "dp" else
+           "restarting the syncer of a lock-step mode is not built yet")
+    _fail("chaos.schedule", schedule, f"event {syncer_crashes[0].source!r}: syncer_crash faults "
+                                      f"need config.mode='decoupled' ({why}; mode={mode!r})")
+  if mode == "dp":
+    # dp trains one learner on the devices of all num_learners: a fault on any of them hits that
+    # one job, and M learners' devices fail M times as often as one learner's (M independent
+    # Poisson processes add up to one of M times the rate). Same schedule, dp's answer.
+    faults = tuple(dataclasses.replace(f, learner=0) for f in faults)
+    random_crashes = dataclasses.replace(random_crashes,
+                                         mtbf_s=random_crashes.mtbf_s / num_learners)
+  return ChaosSettings(schedule, configured_mtbf_s, random_crashes.repair_s,
                        random_crashes.repair_shape, random_crashes.seed, faults, random_crashes)
 
 
