@@ -213,9 +213,10 @@ def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
     ({"chaos__schedule": "crash@learner=0,step=1,down_s=1;partition@learner=0,step=1,seconds=1"},
      "config.chaos.schedule event 'partition@learner=0,step=1,seconds=1': partition faults are "
      "not injected by this runtime yet"),
-    ({"chaos__schedule": "crash@learner=0,step=1,down_s=1", "mode": "dp"},
-     "config.mode='decoupled' only"),
-    ({"chaos__mtbf_s": 5.0, "mode": "diloco"}, "config.chaos.mtbf_s"),
+    ({"chaos__schedule": "syncer_crash@second=1,down_s=1", "mode": "dp"},
+     "dp mode has no syncer"),
+    ({"chaos__schedule": "syncer_crash@second=1,down_s=1", "mode": "streaming"},
+     "need config.mode='decoupled'"),
     ({"chaos__repair_shape": 0.0}, "config.chaos.repair_shape"),
     ({"max_restarts": -1}, "config.max_restarts"),
 ])
