@@ -1,5 +1,9 @@
 """Restarts failed learners as new incarnations on their own meshes (spec §6, rejoin).
 
+Decoupled and lock-step modes alike; in a lock-step mode the rejoiner also takes the barrier its
+peer waits at (`LearnerSnapshot.offers_made`). dp mode restarts the whole job instead
+(`job_restart.py`).
+
 `start()` runs `poll()` on the supervisor's own thread every 50 ms, so a repair is acted on at once
 even while the controller thread evaluates (an eval at real size takes seconds). A learner whose thread ended with an error has
 failed, whatever the cause: the supervisor records what the failure lost (the learner's steps that

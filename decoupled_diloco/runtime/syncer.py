@@ -17,6 +17,11 @@ took in (`merged_through`) and takes a later offer only if its steps start at or
 training, `flush()` runs one final round per fragment that waits for every live learner's answer, so
 the global model holds all the work.
 
+In the lock-step modes (diloco, streaming) the learners push their offers and a round is a barrier:
+it merges once every live learner has offered or has nothing, and, unless
+`config.sync.elastic_lock_step`, once every learner that failed and is being repaired is back (its
+rejoin answers the open rounds with nothing: its state since the last barrier is lost).
+
 The global model itself (Theta_p, versions, outer states, the merge programs) is `GlobalModel`;
 this module only runs the rounds around it. Memory: what `GlobalModel` holds, plus the host copies
 of the offers in open rounds (at most one per live learner per open round). Nothing grows with the
