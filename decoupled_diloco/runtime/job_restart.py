@@ -38,15 +38,17 @@ class JobRestarter:
   def __init__(self, learners: list[learner_lib.Learner], *,
                checkpoints: checkpoints_lib.Checkpoints | None,
                resumed_from: checkpoints_lib.RestoredCheckpoint | None,
-               compile_step: Callable[[], Callable], repaired_at: Callable[[int], float],
+               compile_step: Callable[[], Callable],
+               initial_state: Callable[[], learner_lib.LearnerSnapshot],
+               repaired_at: Callable[[int], float],
                max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
                clock: Callable[[], float] = time.monotonic):
     self.learners = learners  # the run's list: a restart replaces its one entry
     self._checkpoints = checkpoints
     self._resumed_from = resumed_from
-    # The state the job started from (step 0, or the checkpoint it resumed from): where a restart
-    # goes when no checkpoint has been written since. Its arrays are never donated, so they live.
-    self._initial = job_state.learner_cut(0, learners[0].incarnation, learners[0].published)
+    # Where a restart goes when no checkpoint has been written: the initial state, made again
+    # from the seed as a restarted job makes it (not kept: a copy of a large model's train state).
+    self._initial_state = initial_state
     self._compile_step = compile_step
     self._repaired_at = repaired_at
     self._max_restarts = max_restarts
@@ -101,18 +103,18 @@ class JobRestarter:
     logging.warning("the dp job failed at step %d (%r): it restarts from its newest checkpoint "
                     "once repaired", learner.step, learner.error)
 
-  def _newest_state(self) -> tuple[checkpoints_lib.LearnerCut, str]:
+  def _newest_state(self, like) -> tuple[learner_lib.LearnerSnapshot, str]:
     """The newest checkpoint on disk, else the one the run resumed from, else the initial state."""
     if self._checkpoints is not None:
       self._checkpoints.wait()  # a write still in flight is the newest one
       restored = self._checkpoints.restore_job() if self._checkpoints.steps() else None
       if restored is not None:
         [cut] = restored.cut.learners
-        return cut, restored.path
+        return job_state.learner_snapshot(cut, like), restored.path
     if self._resumed_from is not None:
       [cut] = self._resumed_from.cut.learners
-      return cut, self._resumed_from.path
-    return self._initial, "initial state"
+      return job_state.learner_snapshot(cut, like), self._resumed_from.path
+    return self._initial_state(), "initial state"
 
   def _restart(self) -> None:
     record, self._down = self._down, None
@@ -121,8 +123,8 @@ class JobRestarter:
     began = self._clock()
     train_step = self._compile_step()
     compiled = self._clock()
-    cut, source = self._newest_state()
-    new = failed.respawn(job_state.learner_snapshot(cut, failed.state_like), train_step)
+    snapshot, source = self._newest_state(failed.state_like)
+    new = failed.respawn(snapshot, train_step)
     restart_s = self._clock() - began
     self.learners[0] = new
     new.start()

@@ -262,9 +262,21 @@ def build(settings: settings_lib.RunSettings, *,
       _compile(step, state0, settings.learner_batch_size, data.seq_len)
       return injector.wrap_train_step(0, step) if injector is not None else step
 
+    first_data = learners[0].published.data_state  # where the loader starts
+
+    def initial_state() -> learner_lib.LearnerSnapshot:
+      """Step 0 made again from the seed, as a job restarted with no checkpoint makes it."""
+      _, params = model_lib.init_params(model_cfg, learner_meshes[0], settings.seed)
+      none = np.zeros(0, np.int64)  # dp has no fragments
+      return learner_lib.LearnerSnapshot(
+          step=0, train_state=inner.init_train_state(params, tx, learner_meshes[0], shardings0),
+          data_state=first_data, counter_steps=none, counter_tokens=none, since=none, anchors={},
+          anchor_versions=none)
+
     restarter = job_restart.JobRestarter(
         learners, checkpoints=saver if settings.checkpoint.every_steps else None,
-        resumed_from=restored, compile_step=compile_step, repaired_at=repaired_at,
+        resumed_from=restored, compile_step=compile_step, initial_state=initial_state,
+        repaired_at=repaired_at,
         max_restarts=settings.max_restarts, metrics=metrics)
   if injector is not None and restored is not None:
     injector.resume(history["train_seconds"], history["faults"], [l.step for l in learners])
@@ -503,6 +515,9 @@ class _Checkpointer:
     if run.syncer is not None:
       return run.syncer.request_cut(timeout_s)
     future: concurrent.futures.Future = concurrent.futures.Future()
+    if run.restarter is not None and run.restarter.pending:
+      future.set_result(None)  # the dp job is down: its state is lost, there is nothing to cut
+      return future
     learner = run.learners[0]  # dp: a publication is a consistent state by itself
     future.set_result(syncer_lib.SyncerCut(None, {0: learner.published},
                                            {0: learner.incarnation}, learner.step))
