@@ -5,6 +5,8 @@ lost and counted. diloco: every learner waits at the next barrier for the failed
 config.sync.elastic_lock_step, the barrier drops it until it is back.
 """
 
+import time
+
 import pytest
 
 from conftest import tiny_settings
@@ -47,16 +49,24 @@ def test_a_dp_crash_before_any_checkpoint_restarts_from_the_initial_state(tmp_pa
   assert summary["tokens_trained"] == (24 + 5) * TOKENS_PER_STEP
 
 
-def _diloco(tmp_path, elastic):
+def _diloco(tmp_path, elastic, merge_s=0.0):
   settings = tiny_settings(tmp_path, mode="diloco", sync__elastic_lock_step=elastic,
                            learner_step_delays_s=(0.1,) * 4,
                            chaos__schedule="crash@learner=1,step=6,down_s=1.5")
   run = train.build(settings)
+  if merge_s:
+    merge = run.syncer.model.merge
+
+    def slow_merge(*args, **kwargs):
+      time.sleep(merge_s)  # merges slower than a step: a learner that did not wait would step on
+      return merge(*args, **kwargs)
+
+    run.syncer.model.merge = slow_merge
   return run, train.execute(run, progress=False)
 
 
 def test_in_diloco_every_learner_waits_at_the_barrier_for_the_failed_one(tmp_path):
-  run, summary = _diloco(tmp_path, elastic=False)
+  run, summary = _diloco(tmp_path, elastic=False, merge_s=0.3)
   assert summary["rejoins"] == 1 and summary["learner_steps"] == [24] * 4
   waits = summary["barrier_wait_seconds"]
   assert all(waits[m] >= 1.0 for m in (0, 2, 3)), waits  # about down_s, at the barrier of step 8
@@ -64,6 +74,12 @@ def test_in_diloco_every_learner_waits_at_the_barrier_for_the_failed_one(tmp_pat
   # (which had lost its steps since step 4), the later ones took its new incarnation in.
   assert [r["learners"] for r in run.syncer.tape if r["clock"] == 8] == [[0, 2, 3]]
   assert all(1 in r["learners"] for r in run.syncer.tape if r["clock"] > 8)
+  # The rejoiner starts at the barrier its peers wait at: every round takes every learner's
+  # offer at the round's own step, none a round ahead.
+  assert all(set(r["learner_steps"]) == {r["clock"]} for r in run.syncer.tape if not r["final"])
+  assert summary["double_merged_offers"] == 0
+  # And goes on from the Theta that round made, as its peers do: no step of it is overwritten.
+  assert summary["discarded_progress"] == [0.0] * 4
 
 
 def test_with_elastic_lock_step_the_barrier_drops_the_failed_learner(tmp_path):
