@@ -77,6 +77,9 @@ class SyncSettings:
   # A learner silent (no step report) for longer is absent: no quorum, no grace wait, late offers
   # weight 0, until it reports again. Seconds; 0 = auto (algorithm/heartbeat.py). Decoupled only.
   heartbeat_timeout_s: float
+  # Lock-step modes: a learner that is down is dropped from the barrier (the round merges the
+  # learners present) and taken back when it rejoins; False = every learner waits for it.
+  elastic_lock_step: bool
 
   @property
   def schedule(self) -> schedule_lib.SyncSchedule:
@@ -380,6 +383,7 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
     _fail("sync.heartbeat_timeout_s", heartbeat_timeout_s,
           f"must be a number of seconds >= 0 (0 = auto: {heartbeat.AUTO_MULTIPLE:g} x the "
           f"learner's step-time EMA, at least {heartbeat.AUTO_FLOOR_S:g} s)")
+  elastic_lock_step = _check_bool(config, "sync.elastic_lock_step")
   lock_step = False
   if mode == "diloco":
     # DiLoCo: every H steps all learners stop, the whole model is merged, then training resumes.
@@ -393,7 +397,8 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   return SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
                       lock_step=lock_step, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
                       ema_decay=ema_decay, fragmentation=fragmentation,
-                      heartbeat_timeout_s=float(heartbeat_timeout_s))
+                      heartbeat_timeout_s=float(heartbeat_timeout_s),
+                      elastic_lock_step=elastic_lock_step)
 
 
 def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
@@ -405,13 +410,26 @@ def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
       repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
       seed=_check_int(config, "chaos.seed", 0))
   injector.check_injected(faults)
-  if (faults or random_crashes.enabled) and mode != "decoupled":
-    field, value = ("chaos.schedule", schedule) if faults else ("chaos.mtbf_s",
-                                                               random_crashes.mtbf_s)
-    _fail(field, value, f"faults are injected in config.mode='decoupled' only for now "
-                        f"(mode={mode!r}): the dp and lock-step answers need whole-job "
-                        "checkpoints (issue #9)")
-  return ChaosSettings(schedule, random_crashes.mtbf_s, random_crashes.repair_s,
+  configured_mtbf_s = random_crashes.mtbf_s
+  syncer_crashes = [f for f in faults if f.kind == "syncer_crash"]
+  if syncer_crashes and mode != "decoupled":
+    why = ("dp mode has no syncer" if mode == "dp" else
+           "restarting the syncer of a lock-step mode is not built yet")
+    _fail("chaos.schedule", schedule, f"event {syncer_crashes[0].source!r}: syncer_crash faults "
+                                      f"need config.mode='decoupled' ({why}; mode={mode!r})")
+  partitions = [f for f in faults if f.kind == "partition"]
+  if partitions and mode != "decoupled":
+    _fail("chaos.schedule", schedule, f"event {partitions[0].source!r}: partition faults cut the "
+                                      f"link between a learner and the decoupled syncer: they "
+                                      f"need config.mode='decoupled' (mode={mode!r})")
+  if mode == "dp":
+    # dp trains one learner on the devices of all num_learners: a fault on any of them hits that
+    # one job, and M learners' devices fail M times as often as one learner's (M independent
+    # Poisson processes add up to one of M times the rate). Same schedule, dp's answer.
+    faults = tuple(dataclasses.replace(f, learner=0) for f in faults)
+    random_crashes = dataclasses.replace(random_crashes,
+                                         mtbf_s=random_crashes.mtbf_s / num_learners)
+  return ChaosSettings(schedule, configured_mtbf_s, random_crashes.repair_s,
                        random_crashes.repair_shape, random_crashes.seed, faults, random_crashes)
 
 

@@ -26,21 +26,23 @@ def get_config() -> ml_collections.ConfigDict:
   # flush does not end, for this many seconds: a hung run ends instead of waiting forever.
   config.stall_timeout_s = 600.0
   # A learner that fails (any error in its step path) is restarted as a new incarnation once its
-  # devices are back, from a healthy peer's state and the syncer's Theta (decoupled mode); after
-  # this many restarts of one learner the run goes on without it.
+  # devices are back, from a healthy peer's state and the syncer's Theta (decoupled and lock-step
+  # modes); after this many restarts of one learner the run goes on without it. In dp mode the
+  # whole job restarts from its newest checkpoint, at most this many times.
   config.max_restarts = 20
   # Learners held back at start (decoupled mode): each joins mid-run at its
   # join@learner=M,second=T event of chaos.schedule, through the rejoin path (a peer's state and the
   # syncer's Theta), as a scavenged slice would. E.g. (3,) with "join@learner=3,second=60".
   config.late_learners = ()
 
-  # Faults to inject (decoupled mode), see decoupled_diloco/runtime/chaos.py. E.g.
+  # Faults to inject, see decoupled_diloco/runtime/chaos.py and README "Failures and rejoin" for
+  # what each mode does with them (dp: the job restarts from its newest checkpoint). E.g.
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
   # Injected today: crash, hang, slow, nan (its parameters go NaN; the learner fails on the next
   # non-finite loss and is restarted, and the syncer rejects the NaN offer it made meanwhile),
   # partition (its reports, pulls and broadcasts are lost for seconds=T; sync.heartbeat_timeout_s
   # finds it absent, and it is sent what it missed when it reports again), syncer_crash (restarted
-  # from checkpoint.dir/syncer and the learners' newest Theta_p).
+  # from checkpoint.dir/syncer and the learners' newest Theta_p; decoupled mode only).
   # Random crashes: mtbf_s > 0 per learner, exponential; repairs Weibull with mean repair_s and
   # shape repair_shape (the goodput simulator's model).
   config.chaos = ml_collections.ConfigDict()
@@ -104,6 +106,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Theta_p newer than it holds. Not published. 0 = auto: 10 x that learner's step-time EMA, at
   # least 5 s (decoupled_diloco/algorithm/heartbeat.py says why); > 0 = seconds.
   config.sync.heartbeat_timeout_s = 0.0
+  # diloco / streaming only: while a learner is down, the barrier drops it (each round merges the
+  # learners present; it is taken back when it rejoins). False, the baselines as published: every
+  # learner waits at the next barrier until the failed one is repaired and back.
+  config.sync.elastic_lock_step = False
 
   config.merge = ml_collections.ConfigDict()
   config.merge.rule = "rda"  # rda | average (non-embedding tensors; the embedding is always averaged)

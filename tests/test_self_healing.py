@@ -210,9 +210,12 @@ def test_hang_and_slow_faults_stretch_that_learners_steps_only(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"chaos__schedule": "crash@learner=7,step=1,down_s=1"}, "learner=7 is out of range"),
-    ({"chaos__schedule": "crash@learner=0,step=1,down_s=1", "mode": "dp"},
-     "config.mode='decoupled' only"),
-    ({"chaos__mtbf_s": 5.0, "mode": "diloco"}, "config.chaos.mtbf_s"),
+    ({"chaos__schedule": "syncer_crash@second=1,down_s=1", "mode": "dp"},
+     "dp mode has no syncer"),
+    ({"chaos__schedule": "syncer_crash@second=1,down_s=1", "mode": "streaming"},
+     "need config.mode='decoupled'"),
+    ({"chaos__schedule": "partition@learner=1,second=1,seconds=1", "mode": "diloco"},
+     "partition faults cut the link"),
     ({"chaos__repair_shape": 0.0}, "config.chaos.repair_shape"),
     ({"max_restarts": -1}, "config.max_restarts"),
 ])

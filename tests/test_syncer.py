@@ -63,7 +63,7 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
   sync = SyncSettings(num_fragments=num_fragments, period=period, overlap=overlap, quorum=quorum,
                       lock_step=False, grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
                       ema_decay=0.0, fragmentation="balanced",
-                      heartbeat_timeout_s=heartbeat_timeout_s)
+                      heartbeat_timeout_s=heartbeat_timeout_s, elastic_lock_step=False)
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("learner",))
   syncer = syncer_lib.Syncer(
       sync=sync, fragments=fragments,

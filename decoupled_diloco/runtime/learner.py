@@ -83,6 +83,9 @@ class LearnerSnapshot:
   since: np.ndarray  # [P]
   anchors: dict[str, np.ndarray]
   anchor_versions: np.ndarray  # [P]
+  # Lock-step: per fragment, the barriers (rounds) it has taken part in; None = its versions. A
+  # rejoiner takes a peer's, so that it waits at the barrier the peer waits at.
+  offers_made: np.ndarray | None = None
 
 
 class Counters(NamedTuple):
@@ -129,6 +132,7 @@ class Learner:
       step_hook: Callable[[int, int], None] | None = None,
       layout: model_lib.ParamLayout | None = None,
       incarnation: int = 0,
+      peer_repairing: Callable[[], bool] | None = None,
   ):
     self.index = index
     # 0 for the learner the run started; one more for each restart after a failure (spec §6).
@@ -148,6 +152,9 @@ class Learner:
     self._syncer = syncer
     self._metrics = metrics
     self._step_hook = step_hook  # called as hook(learner, step) before each step; tests inject faults
+    # Lock-step only: whether a failed peer is waiting for its repair. The barrier then waits for
+    # it by design, so that wait is not a stall (`_wait_for_due_merges`).
+    self._peer_repairing = peer_repairing
     num_fragments = len(self._fragments)
     if snapshot is None:
       self.step = 0
@@ -163,6 +170,8 @@ class Learner:
     # Lock-step: offers pushed per fragment. Every merge of a lock-step round takes one offer of
     # every learner, so a restored learner has pushed as many as the versions it holds.
     self._offers_made = self._anchor_versions.copy()
+    if snapshot is not None and snapshot.offers_made is not None:
+      self._offers_made = np.maximum(self._offers_made, snapshot.offers_made)
     self.start_step = self.step  # where this learner object started (0, a checkpoint, a rejoin)
     self._lock = threading.Lock()  # guards _taken, written by the syncer's thread in offer()
     # Per fragment, the last offer the syncer took. One is enough for the values: a take succeeds
@@ -189,6 +198,9 @@ class Learner:
     self.step_ends: list[float] = []
     self.failed_at: float | None = None
     self.steps_made = 0  # by this incarnation
+    # Lock-step: seconds this incarnation spent at barriers, waiting for merges to come back (the
+    # sync itself, slower peers, and peers that are down and being repaired).
+    self.barrier_wait_s = 0.0
     self.discarded_fragment_tokens = 0  # tokens of the discarded fragment-steps
     # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
     # taken by any merge): the compute the paper's overwrite discards.
@@ -263,16 +275,28 @@ class Learner:
     params = self._published.params
     return {name: self._layout.get(params, name) for name in self._layout.where}
 
-  def respawn(self, snapshot: LearnerSnapshot) -> "Learner":
+  def respawn(self, snapshot: LearnerSnapshot, train_step: Callable | None = None) -> "Learner":
     """The next incarnation of this learner after a failure: same index, mesh, compiled step and
-    data loader (whose position the host kept), its state from `snapshot`. Not started."""
+    data loader (whose position the host kept unless `snapshot` gives one), its state from
+    `snapshot`. `train_step`: a step compiled again (a dp job restart rebuilds it). Not started."""
     if self.alive:
       raise RuntimeError(f"learner {self.index}: respawn() needs the failed learner stopped")
     return Learner(
-        self.index, train_step=self._train_step, state=self._like, param_shardings=self._shardings,
-        batches=self._batches, fragments=self._fragments, options=self._options,
-        syncer=self._syncer, metrics=self._metrics, snapshot=snapshot,
-        step_hook=self._step_hook, layout=self._layout, incarnation=self.incarnation + 1)
+        self.index, train_step=train_step or self._train_step, state=self._like,
+        param_shardings=self._shardings, batches=self._batches, fragments=self._fragments,
+        options=self._options, syncer=self._syncer, metrics=self._metrics, snapshot=snapshot,
+        step_hook=self._step_hook, layout=self._layout, incarnation=self.incarnation + 1,
+        peer_repairing=self._peer_repairing)
+
+  @property
+  def offers_made(self) -> np.ndarray:
+    """Lock-step: per fragment, the rounds this learner has offered to (its barriers)."""
+    return self._offers_made.copy()
+
+  @property
+  def state_like(self) -> inner.TrainState:
+    """Shapes, dtypes and shardings of the train state (the structure a checkpoint restores)."""
+    return self._like
 
   @property
   def layout(self) -> model_lib.ParamLayout:
@@ -347,6 +371,10 @@ class Learner:
   def _train(self) -> None:
     opts = self._options
     in_flight = None  # (step, tokens, metrics) of the last dispatched step
+    if opts.lock_step:
+      # A rejoined learner starts at the barrier its peers wait at (snapshot.offers_made): it
+      # waits for that round's merge too, then all go on from the same Theta.
+      self._wait_for_due_merges()
     last_done = time.perf_counter()
     self.train_started_at = time.monotonic()
     while self.step < opts.num_steps and not self._stop.is_set():
@@ -581,16 +609,25 @@ class Learner:
     start = self.step - schedule.overlap
     if start < 1:
       return
-    deadline = time.monotonic() + self._options.wait_timeout_s
-    for p in schedule.due_fragments(start):
-      while self._anchor_versions[p] < self._offers_made[p]:
-        if self._stop.is_set():
-          return
-        if time.monotonic() > deadline:
-          raise TimeoutError(
-              f"learner {self.index}: merge of fragment {p} did not come back within "
-              f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
-        self._serve(timeout=0.05)
+    began = time.monotonic()
+    deadline = began + self._options.wait_timeout_s
+    try:
+      for p in schedule.due_fragments(start):
+        while self._anchor_versions[p] < self._offers_made[p]:
+          if self._stop.is_set():
+            return
+          now = time.monotonic()
+          if self._peer_repairing is not None and self._peer_repairing():
+            # A peer is down and the barrier waits for its repair, however long that takes: not
+            # a stall. The timeout counts again from when no peer is being repaired.
+            deadline = now + self._options.wait_timeout_s
+          if now > deadline:
+            raise TimeoutError(
+                f"learner {self.index}: merge of fragment {p} did not come back within "
+                f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
+          self._serve(timeout=0.05)
+    finally:
+      self.barrier_wait_s += time.monotonic() - began
 
 
 @jax.jit

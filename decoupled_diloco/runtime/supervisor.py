@@ -1,5 +1,9 @@
 """Restarts failed learners as new incarnations on their own meshes (spec §6, rejoin).
 
+Decoupled and lock-step modes alike; in a lock-step mode the rejoiner also takes the barrier its
+peer waits at (`LearnerSnapshot.offers_made`). dp mode restarts the whole job instead
+(`job_restart.py`).
+
 `start()` runs `poll()` on the supervisor's own thread every 50 ms, so a repair is acted on at once
 even while the controller thread evaluates (an eval at real size takes seconds). A learner whose thread ended with an error has
 failed, whatever the cause: the supervisor records what the failure lost (the learner's steps that
@@ -104,6 +108,14 @@ class Supervisor:
     return bool(self._failed) or any(l.error is not None and l not in self.retired
                                      for l in list(self.learners))
 
+  @property
+  def repairing(self) -> bool:
+    """A failed learner waits for its repair or restart: a lock-step barrier waiting for it is
+    not stalled."""
+    return bool(self._failed) or any(l.error is not None and l not in self.retired
+                                     for l in list(self.learners)
+                                     if self.restarts[l.index] < self._max_restarts)
+
   def halt(self) -> None:
     """Stops polling at once (the run is being shut down)."""
     self._stop.set()
@@ -145,6 +157,9 @@ class Supervisor:
     self.records.append(record)
     if self.restarts[m] >= self._max_restarts:
       record["restarted"] = False
+      syncer = self._syncer()
+      if syncer is not None:
+        syncer.give_up(m)  # a lock-step barrier stops waiting for it
       logging.error("learner %d failed at step %d and has been restarted %d times "
                     "(config.max_restarts): the run goes on without it", m, learner.step,
                     self.restarts[m])
@@ -192,7 +207,9 @@ class Supervisor:
         counter_steps=np.zeros(num_fragments, np.int64),
         counter_tokens=np.zeros(num_fragments, np.int64),
         since=np.full(num_fragments, step, np.int64),
-        anchors=theta, anchor_versions=versions)
+        anchors=theta, anchor_versions=versions,
+        # Lock-step: the barrier the peer waits at is its barrier too.
+        offers_made=peer.offers_made if peer is not None else None)
     new = failed.respawn(snapshot)
     self.learners[m] = new
     self.start_steps[m] = step

@@ -26,6 +26,11 @@ took in (`merged_through`) and takes a later offer only if its steps start at or
 training, `flush()` runs one final round per fragment that waits for every live learner's answer, so
 the global model holds all the work.
 
+In the lock-step modes (diloco, streaming) the learners push their offers and a round is a barrier:
+it merges once every live learner has offered or has nothing, and, unless
+`config.sync.elastic_lock_step`, once every learner that failed and is being repaired is back (its
+rejoin answers the open rounds with nothing: its state since the last barrier is lost).
+
 The global model itself (Theta_p, versions, outer states, the merge programs) is `GlobalModel`;
 this module only runs the rounds around it. Memory: what `GlobalModel` holds, plus the host copies
 of the offers in open rounds (at most one per live learner per open round). Nothing grows with the
@@ -134,6 +139,11 @@ class _Attach:
 
 
 @dataclasses.dataclass(frozen=True)
+class _GiveUp:
+  learner: int  # failed for good (config.max_restarts): no barrier waits for it any more
+
+
+@dataclasses.dataclass(frozen=True)
 class _MergeDone:
   round_: _Round
   offers: tuple[messages.Offer, ...]
@@ -198,6 +208,10 @@ class Syncer:
     self._absent: set[int] = set()  # live, but silent past the heartbeat timeout
     self._last_report_at: dict[int, float] = {}  # learner -> its last message (or attach)
     self._absent_at: dict[int, float] = {}
+    # Lock-step, not elastic: learners that failed and will be restarted. The barrier (every open
+    # round) waits for them; a rejoin or `give_up` ends the wait. `_given_up` never wait again.
+    self._awaited: set[int] = set()
+    self._given_up: set[int] = set()
     self._learner_steps: dict[int, int] = {}
     self._reported_anchors: dict[int, np.ndarray] = {}
     self._merged_through: dict[tuple[int, int], int] = {}
@@ -242,6 +256,11 @@ class Syncer:
 
   def start(self) -> None:
     self._thread.start()
+
+  def give_up(self, learner: int) -> None:
+    """`learner` failed for good (it will not be restarted): lock-step barriers stop waiting
+    for it. Through the inbox, so it is ordered after the learner's own exit message."""
+    self._inbox.put(_GiveUp(learner))
 
   def stop(self) -> None:
     self._stop.set()
@@ -470,6 +489,9 @@ class Syncer:
       self._training.discard(message.learner)
       self._absent.discard(message.learner)
       self._advance_clock()
+      if (message.error and self._sync.lock_step and not self._sync.elastic_lock_step
+          and message.learner not in self._given_up):
+        self._awaited.add(message.learner)  # the lock-step barrier waits for its repair
       if message.error:
         # Its state is gone: what it offered and no merge has taken yet is never merged.
         self._drop_offers_of(message.learner)
@@ -477,12 +499,15 @@ class Syncer:
                         message.learner, message.step, message.error)
     elif isinstance(message, _Attach):
       self._attach(message)
+    elif isinstance(message, _GiveUp):
+      self._given_up.add(message.learner)
+      self._awaited.discard(message.learner)
     else:
       raise TypeError(f"syncer: unexpected message {message!r}")
 
   def _from_earlier_incarnation(self, message: Any) -> bool:
     """Whether a learner's message comes from an incarnation that has been replaced: ignored."""
-    if isinstance(message, (_Attach, _MergeDone)) or not hasattr(message, "incarnation"):
+    if isinstance(message, (_Attach, _MergeDone, _GiveUp)) or not hasattr(message, "incarnation"):
       return False
     if message.incarnation >= self._incarnations.get(message.learner, 0):
       return False
@@ -507,6 +532,12 @@ class Syncer:
       self._drop_offers_of(m)
       for p in range(len(self.model.fragments)):
         self._merged_through[(m, p)] = message.step
+      self._awaited.discard(m)
+      if self._sync.lock_step:
+        # It lost the steps of the rounds open now: it has answered them (with nothing), and
+        # the barrier it held up merges the others; the broadcast reaches it too.
+        for round_ in self._rounds.values():
+          round_.answered.add(m)
     if message.anchor_versions is not None:
       self._reported_anchors[m] = np.asarray(message.anchor_versions)
       for p, held in enumerate(message.anchor_versions):
@@ -698,6 +729,12 @@ class Syncer:
       waiting_for = live - set(round_.offers) - round_.answered
       if not live:
         self._close(round_, [])
+        continue
+      if self._sync.lock_step and not round_.final:
+        # A barrier: every learner present has offered (or has nothing), and, unless
+        # config.sync.elastic_lock_step, every learner being repaired is back.
+        if not waiting_for and not self._awaited:
+          self._close(round_, fresh)
         continue
       if round_.final:
         if not waiting_for:

@@ -39,6 +39,7 @@ from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import goodput as goodput_lib
 from decoupled_diloco.runtime import injector as injector_lib
+from decoupled_diloco.runtime import job_restart
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import metrics as metrics_lib
@@ -74,6 +75,8 @@ class Run:
   corrupter: checkpoint_faults.CheckpointCorrupter | None = None
   # time.monotonic() when training started: the origin of fault records and of the goodput window.
   started_at: float | None = None
+  # dp mode: restarts the whole job from its newest checkpoint after a failure.
+  restarter: job_restart.JobRestarter | None = None
 
 
 class Interrupted(Exception):
@@ -205,6 +208,11 @@ def build(settings: settings_lib.RunSettings, *,
   held_back = tuple(m for m in settings.late_learners if m not in joined)
   learner_cuts = _learner_cuts(restored, history, syncer, layout, held_back) if restored else {}
   learners = []
+  supervisor_box: list[supervisor_lib.Supervisor | None] = [None]  # built after the learners
+
+  def peer_repairing() -> bool:
+    return supervisor_box[0] is not None and supervisor_box[0].repairing
+
   for index, (train_step, state, shardings, batches) in enumerate(built):
     options = learner_lib.LearnerOptions(
         num_steps=settings.num_steps,
@@ -222,7 +230,8 @@ def build(settings: settings_lib.RunSettings, *,
         fragments=fragments, syncer=port, metrics=metrics, step_hook=step_hook, layout=layout,
         options=options,
         snapshot=job_state.learner_snapshot(cut, state) if cut is not None else None,
-        incarnation=cut.incarnation if cut is not None else 0)
+        incarnation=cut.incarnation if cut is not None else 0,
+        peer_repairing=peer_repairing if sync is not None and sync.lock_step else None)
     learners.append(learner)
     if syncer is not None and index not in held_back:
       syncer.attach(index, learner, step=learner.step, incarnation=learner.incarnation,
@@ -234,20 +243,53 @@ def build(settings: settings_lib.RunSettings, *,
   started = time.perf_counter()
   evaluator.compile()
   compile_seconds["eval_compile_s"] = time.perf_counter() - started
-  supervisor, keeper = None, None
+  supervisor, keeper, restarter = None, None, None
+  repaired_at = injector.repaired_at if injector is not None else lambda _: 0.0
   if syncer is not None and not sync.lock_step:
     keeper = keeper_lib.SyncerKeeper(
         syncer=syncer, port=port, make_syncer=make_syncer, learners=learners,
         checkpoints=saver if settings.checkpoint.every_steps else None,
         every_s=settings.checkpoint.syncer_every_s,
         faults=injector.syncer_faults if injector is not None else (), metrics=metrics)
+  if syncer is not None:
+    # Lock-step modes restart a failed learner the same way; their barrier waits for it (or, with
+    # config.sync.elastic_lock_step, merges without it until it is back: syncer.py).
+    current_syncer = (lambda: None if keeper.down else keeper.syncer) if keeper is not None \
+        else (lambda: syncer)
     supervisor = supervisor_lib.Supervisor(
-        learners, lambda: None if keeper.down else keeper.syncer, init_opt_state=jax.jit(tx.init),
-        repaired_at=injector.repaired_at if injector is not None else lambda _: 0.0,
+        learners, current_syncer, init_opt_state=jax.jit(tx.init), repaired_at=repaired_at,
         max_restarts=settings.max_restarts, metrics=metrics, late_learners=held_back,
         on_join=injector.record_join if injector is not None else None)
     supervisor.restarts = list(history["restarts"])
     supervisor.start_steps = list(history["start_steps"])
+    supervisor_box[0] = supervisor
+  else:
+    _, state0, shardings0, _ = built[0]
+
+    def compile_step():
+      """The dp step compiled again, as a restarted job compiles it (a new jit object)."""
+      step = inner.make_train_step(
+          graphdef, tx, learner_meshes[0],
+          inner.train_state_shardings(state0, learner_meshes[0], shardings0))
+      _compile(step, state0, settings.learner_batch_size, data.seq_len)
+      return injector.wrap_train_step(0, step) if injector is not None else step
+
+    first_data = learners[0].published.data_state  # where the loader starts
+
+    def initial_state() -> learner_lib.LearnerSnapshot:
+      """Step 0 made again from the seed, as a job restarted with no checkpoint makes it."""
+      _, params = model_lib.init_params(model_cfg, learner_meshes[0], settings.seed)
+      none = np.zeros(0, np.int64)  # dp has no fragments
+      return learner_lib.LearnerSnapshot(
+          step=0, train_state=inner.init_train_state(params, tx, learner_meshes[0], shardings0),
+          data_state=first_data, counter_steps=none, counter_tokens=none, since=none, anchors={},
+          anchor_versions=none)
+
+    restarter = job_restart.JobRestarter(
+        learners, checkpoints=saver if settings.checkpoint.every_steps else None,
+        resumed_from=restored, compile_step=compile_step, initial_state=initial_state,
+        repaired_at=repaired_at,
+        max_restarts=settings.max_restarts, metrics=metrics)
   if injector is not None and restored is not None:
     injector.resume(history["train_seconds"], history["faults"], [l.step for l in learners])
   corrupter = None
@@ -257,7 +299,7 @@ def build(settings: settings_lib.RunSettings, *,
   return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
-             history, restored, keeper, corrupter)
+             history, restored, keeper, corrupter, restarter=restarter)
 
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
@@ -332,6 +374,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       run.injector.start(started)
     if run.supervisor is not None:
       run.supervisor.start(started)
+    if run.restarter is not None:
+      run.restarter.start(started)
     if run.keeper is not None:
       run.keeper.start(started, run.history["train_seconds"], run.history["faults"])
     if run.corrupter is not None:
@@ -470,6 +514,8 @@ class _Checkpointer:
       return  # the final checkpoint is taken after the flush
     if run.supervisor is not None and run.supervisor.pending:
       return  # a learner is down: the cut waits until it is back
+    if run.restarter is not None and run.restarter.pending:
+      return  # the dp job is down
     if run.keeper is not None and run.keeper.down:
       return  # and until the syncer is
     self._next += run.settings.checkpoint.every_steps
@@ -495,6 +541,9 @@ class _Checkpointer:
     if run.syncer is not None:
       return run.syncer.request_cut(timeout_s)
     future: concurrent.futures.Future = concurrent.futures.Future()
+    if run.restarter is not None and run.restarter.pending:
+      future.set_result(None)  # the dp job is down: its state is lost, there is nothing to cut
+      return future
     learner = run.learners[0]  # dp: a publication is a consistent state by itself
     future.set_result(syncer_lib.SyncerCut(None, {0: learner.published},
                                            {0: learner.incarnation}, learner.step))
@@ -525,7 +574,7 @@ class _Checkpointer:
     """The run so far, as of the cut: what a run resumed from it adds its own to."""
     run, base = self._run, self._run.history
     supervisor = run.supervisor
-    retired = supervisor.retired if supervisor is not None else []
+    retired = _retired(run)
     steps_made, discarded_steps, discarded_tokens, absent_data = [], [], [], {}
     for m, current in enumerate(run.learners):
       this_run = [l for l in retired if l.index == m]
@@ -544,7 +593,12 @@ class _Checkpointer:
     faults += [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else []
     faults += [dict(f) for f in run.corrupter.records] if run.corrupter is not None else []
     failures = supervisor.summary_records() if supervisor is not None else []
+    failures += run.restarter.summary_records() if run.restarter is not None else []
+    barrier_wait = base.get("barrier_wait_seconds", [0.0] * len(run.learners))
     return {
+        "barrier_wait_seconds": [barrier_wait[m] + sum(
+            l.barrier_wait_s for l in run.learners + retired if l.index == m)
+            for m in range(len(run.learners))],
         "steps_made": steps_made,
         "discarded_fragment_steps": discarded_steps,
         "discarded_fragment_tokens": discarded_tokens,
@@ -584,12 +638,16 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
   next_eval = (clock // settings.eval_every + 1) * settings.eval_every if settings.eval_every \
       else None
   last_steps, last_change = -1, time.monotonic()
-  supervisor, keeper = run.supervisor, run.keeper
+  supervisor, keeper, restarter = run.supervisor, run.keeper, run.restarter
+  lock_step = settings.sync is not None and settings.sync.lock_step
   while not all(l.finished_training.is_set() for l in learners) or (
-      supervisor is not None and supervisor.pending) or (keeper is not None and keeper.down):
+      supervisor is not None and supervisor.pending) or (keeper is not None and keeper.down) or (
+      restarter is not None and restarter.pending):
     time.sleep(0.05)
     if stop.signum is not None:
       return
+    if restarter is not None:
+      restarter.tick()
     if keeper is not None:
       keeper.tick()
       run.syncer = syncer = keeper.syncer
@@ -602,6 +660,10 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
       last_steps, last_change = steps, time.monotonic()
     elif supervisor is not None and supervisor.pending and not any(l.alive for l in learners):
       last_change = time.monotonic()  # every learner is down, waiting for a repair: no stall
+    elif lock_step and supervisor is not None and supervisor.repairing:
+      last_change = time.monotonic()  # the barrier waits for a learner being repaired: no stall
+    elif restarter is not None and restarter.pending:
+      last_change = time.monotonic()  # the dp job is down, waiting for its repair: no stall
     elif time.monotonic() - last_change > stall_timeout:
       raise RuntimeError(
           f"no learner made a step for {stall_timeout} s (config.stall_timeout_s); learner "
@@ -688,7 +750,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
   final_steps = [l.step for l in learners]
   num_fragments = max(len(run.fragments), 1)
   supervisor = run.supervisor
-  retired = supervisor.retired if supervisor is not None else []
+  retired = _retired(run)
   incarnations = learners + retired  # every learner that ever trained
   steps_made = [history["steps_made"][m] + sum(l.steps_made for l in incarnations if l.index == m)
                 for m in range(len(learners))]
@@ -736,6 +798,12 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "checkpoints_written": [c for c in run.checkpoints.saved if c["kind"] == "job"]
                              if run.checkpoints is not None else [],
       "resumes": history["resumes"],
+      # Per learner, seconds at lock-step barriers (waiting for merges, slower peers, and peers
+      # being repaired); 0 in decoupled and dp modes, which have no barrier.
+      "barrier_wait_seconds": [round(
+          history.get("barrier_wait_seconds", [0.0] * len(learners))[m] +
+          sum(l.barrier_wait_s for l in incarnations if l.index == m), 3)
+          for m in range(len(learners))],
       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       "device_peak_bytes": _device_peak_bytes(run),
   }
@@ -744,7 +812,40 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
     summary["syncer_held_bytes"] = syncer.held_bytes()
     summary["syncer_peak_held_bytes"] = stats.peak_held_bytes
     summary["syncer_steady_state_bytes"] = syncer.steady_state_bytes()
+  else:
+    summary.update(_job_restart_summary(run, tokens_per_step))
   return summary
+
+
+def _retired(run: Run) -> list[learner_lib.Learner]:
+  """The failed incarnations of this run (restarted by the supervisor, or by a dp job restart)."""
+  if run.supervisor is not None:
+    return run.supervisor.retired
+  return run.restarter.retired if run.restarter is not None else []
+
+
+def _job_restart_summary(run: Run, tokens_per_step: int) -> dict[str, Any]:
+  """dp mode: every failure stopped the job, which restarted from its newest checkpoint. The
+  steps made after that checkpoint are lost: trained (in `tokens_trained`) but not in the model,
+  so tokens_trained = tokens in the final model + tokens_lost_at_restarts."""
+  history = run.history
+  failures = [dict(f) for f in history["failures"]] + (
+      run.restarter.summary_records() if run.restarter is not None else [])
+  faults = [dict(f) for f in history["faults"]] + (
+      [dict(f) for f in run.injector.records] if run.injector is not None else [])
+  for fault in faults:
+    if fault["fault"] == "crash":
+      stopped = [r for r in failures if r["step"] == fault["step"] and "LearnerFailure" in r["error"]]
+      fault.update({k: v for k, v in (stopped[0] if stopped else {}).items()
+                    if k not in ("learner", "step", "error")})
+  lost = sum(r.get("steps_lost", 0) for r in failures)
+  return {
+      "faults": faults,
+      "failures": failures,
+      "job_restarts": sum(1 for r in failures if r.get("restarted")),
+      "steps_lost_at_restarts": int(lost),
+      "tokens_lost_at_restarts": int(lost * tokens_per_step),
+  }
 
 
 def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) -> dict[str, Any]:

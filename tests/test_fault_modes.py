@@ -1,0 +1,125 @@
+"""The same faults in dp and lock-step modes, with their real consequence (issue 9, section 7).
+
+dp: a crash stops the whole job, which restarts from its newest checkpoint; the steps after it are
+lost and counted. diloco: every learner waits at the next barrier for the failed one, or, with
+config.sync.elastic_lock_step, the barrier drops it until it is back.
+"""
+
+import time
+
+import pytest
+
+from conftest import tiny_settings
+from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import train
+
+TOKENS_PER_STEP = 4 * 4 * 32  # dp: batch_size x num_learners sequences of seq_len
+
+
+def _dp(tmp_path, schedule, **overrides):
+  settings = tiny_settings(tmp_path, mode="dp", chaos__schedule=schedule, **overrides)
+  return train.execute(train.build(settings), progress=False)
+
+
+def test_a_dp_crash_restarts_the_job_from_its_newest_checkpoint_and_counts_the_lost_steps(
+    tmp_path):
+  # learner=2: in dp mode its devices are part of the one job, which they stop.
+  summary = _dp(tmp_path, "crash@learner=2,step=14,down_s=0.3", checkpoint__every_steps=6)
+  [fault] = summary["faults"]
+  assert fault["fault"] == "crash" and fault["step"] == 14 and fault["restarted"]
+  checkpoint = fault["restored_step"]
+  assert 6 <= checkpoint < 14 and fault["restored_from"].endswith(f"job/{checkpoint}")
+  assert fault["steps_lost"] == 14 - checkpoint
+  assert fault["repaired_at_s"] >= fault["at_s"] + 0.3  # the repair counts from the fault
+  assert fault["restart_s"] > 0 and fault["back_at_s"] >= fault["repaired_at_s"] + fault["restart_s"]
+  assert summary["job_restarts"] == 1 and summary["steps_lost_at_restarts"] == 14 - checkpoint
+  # Trained = in the final model + lost, each step counted once.
+  assert summary["learner_steps"] == [24]
+  assert summary["tokens_trained"] == (24 + 14 - checkpoint) * TOKENS_PER_STEP
+  assert summary["tokens_lost_at_restarts"] == (14 - checkpoint) * TOKENS_PER_STEP
+  [restart] = metrics_lib.read_records(str(tmp_path), "job_restart")
+  assert restart["steps_lost"] == 14 - checkpoint
+
+
+def test_a_dp_crash_before_any_checkpoint_restarts_from_the_initial_state(tmp_path):
+  summary = _dp(tmp_path, "crash@learner=0,step=5,down_s=0.1")
+  [fault] = summary["faults"]
+  assert fault["restored_from"] == "initial state" and fault["restored_step"] == 0
+  assert fault["steps_lost"] == 5 and summary["learner_steps"] == [24]
+  assert summary["tokens_trained"] == (24 + 5) * TOKENS_PER_STEP
+
+
+def _diloco(tmp_path, elastic, merge_s=0.0):
+  settings = tiny_settings(tmp_path, mode="diloco", sync__elastic_lock_step=elastic,
+                           learner_step_delays_s=(0.1,) * 4,
+                           chaos__schedule="crash@learner=1,step=6,down_s=1.5")
+  run = train.build(settings)
+  if merge_s:
+    merge = run.syncer.model.merge
+
+    def slow_merge(*args, **kwargs):
+      time.sleep(merge_s)  # merges slower than a step: a learner that did not wait would step on
+      return merge(*args, **kwargs)
+
+    run.syncer.model.merge = slow_merge
+  return run, train.execute(run, progress=False)
+
+
+def test_in_diloco_every_learner_waits_at_the_barrier_for_the_failed_one(tmp_path):
+  run, summary = _diloco(tmp_path, elastic=False, merge_s=0.3)
+  assert summary["rejoins"] == 1 and summary["learner_steps"] == [24] * 4
+  waits = summary["barrier_wait_seconds"]
+  assert all(waits[m] >= 1.0 for m in (0, 2, 3)), waits  # about down_s, at the barrier of step 8
+  # Every round merged every learner present: the one at step 8 waited for learner 1's rejoin
+  # (which had lost its steps since step 4), the later ones took its new incarnation in.
+  assert [r["learners"] for r in run.syncer.tape if r["clock"] == 8] == [[0, 2, 3]]
+  assert all(1 in r["learners"] for r in run.syncer.tape if r["clock"] > 8)
+  # The rejoiner starts at the barrier its peers wait at: every round takes every learner's
+  # offer at the round's own step, none a round ahead.
+  assert all(set(r["learner_steps"]) == {r["clock"]} for r in run.syncer.tape if not r["final"])
+  assert summary["double_merged_offers"] == 0
+  # And goes on from the Theta that round made, as its peers do: no step of it is overwritten.
+  assert summary["discarded_progress"] == [0.0] * 4
+
+
+def test_with_elastic_lock_step_the_barrier_drops_the_failed_learner(tmp_path):
+  run, summary = _diloco(tmp_path, elastic=True)
+  assert summary["rejoins"] == 1 and summary["learner_steps"] == [24] * 4
+  waits = summary["barrier_wait_seconds"]
+  assert all(waits[m] < 0.75 for m in (0, 2, 3)), waits
+  [fault] = summary["faults"]
+  # Rounds went on without learner 1 while it was down, and took it back once it had rejoined.
+  assert [r["learners"] for r in run.syncer.tape if r["clock"] == 8] == [[0, 2, 3]]
+  assert any((1, 1) in zip(r["learners"], r["incarnations"]) for r in run.syncer.tape)
+  assert fault["step_after"] > 8
+
+
+def test_a_long_repair_does_not_time_out_the_learners_waiting_at_the_barrier(tmp_path):
+  """stall_timeout_s below the repair: the wait is legitimate, not a stall."""
+  settings = tiny_settings(tmp_path, mode="diloco", stall_timeout_s=1.0,
+                           learner_step_delays_s=(0.02,) * 4,
+                           chaos__schedule="crash@learner=1,step=6,down_s=2.5")
+  summary = train.execute(train.build(settings), progress=False)
+  assert summary["learner_errors"] == [None] * 4 and summary["learner_steps"] == [24] * 4
+
+
+@pytest.mark.parametrize("mode", ["dp", "diloco"])
+def test_syncer_crash_is_refused_outside_decoupled_mode_naming_the_field(tmp_path, mode):
+  with pytest.raises(ValueError, match=r"config\.chaos\.schedule=.*syncer_crash.*decoupled"):
+    tiny_settings(tmp_path, mode=mode, chaos__schedule="syncer_crash@second=1,down_s=1")
+
+
+def test_elastic_lock_step_is_validated():
+  from decoupled_diloco import settings as settings_lib  # pylint: disable=g-import-not-at-top
+  from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
+  config = tiny_cpu.get_config()
+  config.sync.elastic_lock_step = None  # a config file may set anything, not only a bool
+  with pytest.raises(ValueError, match=r"config\.sync\.elastic_lock_step=None is invalid"):
+    settings_lib.validate(config)
+
+
+def test_dp_takes_every_learners_faults_and_fails_as_often_as_all_their_devices(tmp_path):
+  settings = tiny_settings(tmp_path, mode="dp", chaos__mtbf_s=40.0,
+                           chaos__schedule="crash@learner=3,step=5,down_s=1")
+  assert [f.learner for f in settings.chaos.faults] == [0]
+  assert settings.chaos.mtbf_s == 40.0 and settings.chaos.random_crashes.mtbf_s == 10.0
