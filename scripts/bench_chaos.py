@@ -62,6 +62,15 @@ def schedule_for(mode: str, scale: float) -> tuple[str, list[str]]:
         continue
       events.append(f"syncer_crash@second={second},{rest}")
       continue
+    if kind == "partition" and mode != "decoupled":
+      if mode == "dp":
+        notes.append(f"partition of learner {learner} at {second} s: dp has no learner-syncer "
+                     "link, left out")
+        continue
+      # A lock-step learner cut off from the others holds the barrier as a hung one does.
+      notes.append(f"partition of learner {learner} at {second} s: in {mode}, a hang of that "
+                   "learner for the same seconds (its barrier waits either way)")
+      kind, rest = "hang", rest
     if mode == "dp":
       if kind == "partition":
         notes.append(f"partition of learner {learner} at {second} s: dp has no learner-syncer "
