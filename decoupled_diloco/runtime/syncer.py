@@ -842,7 +842,8 @@ class Syncer:
         "learner_steps": [o.step for o in offers],
         "since_steps": [o.since for o in offers],
         "anchor_versions": [o.anchor_version for o in offers],
-        "norms": [round(n, 6) for n in screening.norms],  # ||Delta_m||, the robust merge's yardstick
+        # ||Delta_m|| per step, the robust merge's yardstick
+        "norms": [round(n, 6) for n in screening.norms],
         "quorum_wait_s": round(quorum_at - round_.opened_at, 5),
         "grace_window_s": round((round_.deadline or quorum_at) - quorum_at, 5),
         "grace_waited_s": round(done.closed_at - quorum_at, 5),
@@ -866,8 +867,9 @@ class Syncer:
     self.stats.rejected_offers[rejection.reason] += 1
     median = "none yet" if rejection.median is None else f"{rejection.median:.4g}"
     logging.warning("syncer: rejected learner %d's offer of fragment %d (step %d, incarnation %d): "
-                    "%s outer gradient, norm %.4g, median of accepted norms %s", offer.learner, p,
-                    offer.step, offer.incarnation, rejection.reason, rejection.norm, median)
+                    "%s outer gradient, norm per step %.4g, median of accepted ones %s",
+                    offer.learner, p, offer.step, offer.incarnation, rejection.reason,
+                    rejection.norm, median)
     if self._metrics is not None:
       # A norm that is not finite is written as null: metrics.jsonl stays strict JSON.
       self._metrics.write("rejected", {
