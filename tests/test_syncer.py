@@ -494,6 +494,29 @@ def test_an_offer_covering_many_steps_is_judged_per_step_and_the_flush_merges_it
   assert [r.reason for r in syncer.model.screen(p, [hasty]).rejected] == ["outlier"]
 
 
+def test_a_final_round_that_finds_the_yardstick_stale_runs_again(running):
+  """Every learner's norm jumped 20x since p's window filled (few merges of p in a long run, or
+  the learning-rate schedule): the flush rejects them all, which empties the window (robust.py).
+  A regular round would take those steps next time; the flush has no next time, so it runs the
+  final round again, and the steps are merged."""
+  syncer, links = _syncer(num_learners=4, quorum=4, rule="average")
+  p = 1
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
+  running(syncer)
+  _step(syncer, range(4), 1)
+  _wait(lambda: syncer.stats.merges == 1)
+  for link in links:
+    link.answers[0] = _offer(syncer, link.index, 0, 1.0, step=2)
+    link.answers[p] = _offer(syncer, link.index, p, 21.0, step=2, since=1, anchor=1.0,
+                             anchor_version=1)
+  assert syncer.flush(timeout=10)
+  assert syncer.stats.rejected_offers["outlier"] == 4
+  final = [d for d in syncer.tape if d["final"] and d["fragment"] == p]
+  assert [d["learners"] for d in final] == [[0, 1, 2, 3]]
+  assert tape_lib.unmerged_steps_at_end(syncer.tape, [2] * 4, 2) == [0] * 4
+
+
 def test_a_round_whose_every_offer_is_rejected_changes_nothing(running):
   syncer, (a, b) = _syncer(num_learners=2, quorum=1)
   p = 1

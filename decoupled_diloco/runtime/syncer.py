@@ -804,6 +804,12 @@ class Syncer:
       # (lock-step modes get `unchanged`, a new version of the same Theta_p)
       self._merging.discard(p)
       self._open_owed(p)
+      if round_.final and not screening.window.norms and any(
+          r.reason == "outlier" for r in screening.rejected):
+        # Learners that agree with each other against the fragment's history emptied its window
+        # (robust.py: the yardstick was stale, not they). During training the next round takes
+        # their steps; the flush has no next round, so it runs this one again.
+        self._open_round(p, self._clock, final=True)
       return
     with self._lock:
       live = sorted(self._live)
