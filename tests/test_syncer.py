@@ -462,8 +462,59 @@ def test_a_nonfinite_and_an_outlier_offer_are_rejected_and_theta_is_the_merge_of
   assert [(r["learner"], r["reason"], r["step"], r["fragment"]) for r in records] == [
       (1, "nonfinite", 3, p), (2, "outlier", 3, p)]
   size = sum(np.prod(SHAPES[n]) for n in syncer.model.fragments[p].names)
-  assert records[0]["norm"] is None and records[1]["norm"] == pytest.approx(100 * np.sqrt(size))
+  # Per step: learner 2's Delta of 100 covers steps (1, 3].
+  assert records[0]["norm"] is None and records[1]["norm"] == pytest.approx(50 * np.sqrt(size))
   assert records[1]["median"] == pytest.approx(np.sqrt(size))
+
+
+def test_an_offer_covering_many_steps_is_judged_per_step_and_the_flush_merges_it(running):
+  """Learner 1 rejoined behind its peers and no merge of p took it since: at the flush its offer
+  covers 11 steps, the others' 1 step each, against a window of 1-step norms (soak: 11 steps of 3
+  fragments left unmerged). Its outer gradient is 11x theirs because it covers 11x the steps, not
+  because it diverged: judged per step it fits, and the flush merges everyone's last steps. A
+  1-step offer as large is still an outlier."""
+  syncer, links = _syncer(num_learners=4, quorum=4, rule="average")
+  p = 1
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
+  running(syncer)
+  _step(syncer, range(4), 1)
+  _wait(lambda: syncer.stats.merges == 1)  # four 1-step norms in p's window
+  for link in links:
+    link.answers[0] = _offer(syncer, link.index, 0, 1.0, step=12)
+    since = 1 if link.index == 1 else 11
+    link.answers[p] = _offer(syncer, link.index, p, 1.0 + (12 - since), step=12, since=since,
+                             anchor=1.0, anchor_version=1)
+  assert syncer.flush(timeout=10)
+  final = [d for d in syncer.tape if d["final"] and d["fragment"] == p]
+  assert [d["learners"] for d in final] == [[0, 1, 2, 3]]
+  assert syncer.stats.rejected_offers["outlier"] == 0
+  assert tape_lib.unmerged_steps_at_end(syncer.tape, [12] * 4, 2) == [0] * 4
+  hasty = _offer(syncer, 1, p, 12.0, step=12, since=11, anchor=1.0, anchor_version=1)
+  assert [r.reason for r in syncer.model.screen(p, [hasty]).rejected] == ["outlier"]
+
+
+def test_a_final_round_that_finds_the_yardstick_stale_runs_again(running):
+  """Every learner's norm jumped 20x since p's window filled (few merges of p in a long run, or
+  the learning-rate schedule): the flush rejects them all, which empties the window (robust.py).
+  A regular round would take those steps next time; the flush has no next time, so it runs the
+  final round again, and the steps are merged."""
+  syncer, links = _syncer(num_learners=4, quorum=4, rule="average")
+  p = 1
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
+  running(syncer)
+  _step(syncer, range(4), 1)
+  _wait(lambda: syncer.stats.merges == 1)
+  for link in links:
+    link.answers[0] = _offer(syncer, link.index, 0, 1.0, step=2)
+    link.answers[p] = _offer(syncer, link.index, p, 21.0, step=2, since=1, anchor=1.0,
+                             anchor_version=1)
+  assert syncer.flush(timeout=10)
+  assert syncer.stats.rejected_offers["outlier"] == 4
+  final = [d for d in syncer.tape if d["final"] and d["fragment"] == p]
+  assert [d["learners"] for d in final] == [[0, 1, 2, 3]]
+  assert tape_lib.unmerged_steps_at_end(syncer.tape, [2] * 4, 2) == [0] * 4
 
 
 def test_a_round_whose_every_offer_is_rejected_changes_nothing(running):

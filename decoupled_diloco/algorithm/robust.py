@@ -7,7 +7,9 @@ move Theta_p (every learner then inherits it), so the syncer judges each offer b
 - *nonfinite*: ||Delta_m|| is NaN or inf (some value of Delta_m is), rejected always;
 - *outlier*: ||Delta_m|| > max_norm_ratio x the median of the last `WINDOW` accepted norms of that
   fragment (max_norm_ratio = 0: no outlier test). The median, not the mean: one huge norm that got
-  in, or a few, barely moves it.
+  in, or a few, barely moves it. The caller passes norms per inner step the offer covers
+  (`GlobalModel.screen`): offers of one fragment cover 1 step or 11, and an honest one moves about
+  as far as its steps take it.
 
 Only accepted norms enter the window, so a learner that keeps offering outliers never makes itself
 look normal. But honest norms can jump too: the first round of a fragment covers few steps early in

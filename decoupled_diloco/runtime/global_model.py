@@ -69,7 +69,7 @@ class Rejection:
 
   offer: messages.Offer
   reason: str
-  norm: float
+  norm: float  # ||Delta_m|| per step the offer covers (`screen`)
   median: float | None  # of the fragment's recent accepted norms; None: no outlier test yet
 
 
@@ -79,7 +79,7 @@ class Screening:
 
   fragment: int
   accepted: tuple[messages.Offer, ...]
-  norms: tuple[float, ...]  # ||Delta_m|| of each accepted offer
+  norms: tuple[float, ...]  # ||Delta_m|| / steps of each accepted offer (`screen`)
   rejected: tuple[Rejection, ...]
   window: robust.NormWindow  # the fragment's yardstick after this round (`keep_screening`)
 
@@ -214,13 +214,18 @@ class GlobalModel:
     """Judges each offer's outer gradient Delta_m = anchor - theta_m (robust merge, issue 9).
 
     The learner's own Delta_m, whatever `merge.anchor`: a learner is judged by what it did, not by
-    how far Theta_p moved since its anchor. Reads the fragment's window of accepted norms and
-    changes nothing, so like `merge` it runs at most once at a time per fragment, and the caller
-    keeps its outcome (`keep_screening`) before the next screen of that fragment.
+    how far Theta_p moved since its anchor. And per inner step the offer covers: an honest offer
+    that waited 11 steps for a merge of p (a learner that rejoined behind its peers, or one the
+    last rounds missed) moves about 11x as far as the 1-step offers the window holds; by its raw
+    norm it would be an outlier, rejected in every round, the flush's included, and its steps
+    never merged (seen in a chaos soak). A diverged or corrupted state is orders of magnitude off,
+    per step too. Reads the fragment's window of accepted norms and changes nothing, so like
+    `merge` it runs at most once at a time per fragment, and the caller keeps its outcome
+    (`keep_screening`) before the next screen of that fragment.
     """
     names = self.fragments[p].names
     norms = [robust.fragment_norm(offer.outer_gradient(name) for name in names)
-             for offer in offers]
+             / max(offer.steps, 1) for offer in offers]
     verdicts, window = robust.judge_round([o.learner for o in offers], norms,
                                           self._norm_windows[p], self._merge.max_norm_ratio,
                                           self._num_learners)

@@ -841,6 +841,12 @@ class Syncer:
       # (lock-step modes get `unchanged`, a new version of the same Theta_p)
       self._merging.discard(p)
       self._open_owed(p)
+      if round_.final and not screening.window.norms and any(
+          r.reason == "outlier" for r in screening.rejected):
+        # Learners that agree with each other against the fragment's history emptied its window
+        # (robust.py: the yardstick was stale, not they). During training the next round takes
+        # their steps; the flush has no next round, so it runs this one again.
+        self._open_round(p, self._clock, final=True)
       return
     with self._lock:
       live = sorted(self._live)
@@ -879,7 +885,8 @@ class Syncer:
         "learner_steps": [o.step for o in offers],
         "since_steps": [o.since for o in offers],
         "anchor_versions": [o.anchor_version for o in offers],
-        "norms": [round(n, 6) for n in screening.norms],  # ||Delta_m||, the robust merge's yardstick
+        # ||Delta_m|| per step, the robust merge's yardstick
+        "norms": [round(n, 6) for n in screening.norms],
         "quorum_wait_s": round(quorum_at - round_.opened_at, 5),
         "grace_window_s": round((round_.deadline or quorum_at) - quorum_at, 5),
         "grace_waited_s": round(done.closed_at - quorum_at, 5),
@@ -903,8 +910,9 @@ class Syncer:
     self.stats.rejected_offers[rejection.reason] += 1
     median = "none yet" if rejection.median is None else f"{rejection.median:.4g}"
     logging.warning("syncer: rejected learner %d's offer of fragment %d (step %d, incarnation %d): "
-                    "%s outer gradient, norm %.4g, median of accepted norms %s", offer.learner, p,
-                    offer.step, offer.incarnation, rejection.reason, rejection.norm, median)
+                    "%s outer gradient, norm per step %.4g, median of accepted ones %s",
+                    offer.learner, p, offer.step, offer.incarnation, rejection.reason,
+                    rejection.norm, median)
     if self._metrics is not None:
       # A norm that is not finite is written as null: metrics.jsonl stays strict JSON.
       self._metrics.write("rejected", {
