@@ -60,3 +60,9 @@ def test_a_fault_free_learner_that_trains_the_whole_window_has_goodput_one():
   accounting = tb.account({0: tb.LearnerTimeline(steps=[(0, 5), (5, 10)], made_tokens=7)},
                           0.0, 10.0)
   assert accounting.goodput == 1.0 and accounting.uptime == 1.0
+
+
+def test_the_bucket_names_are_the_simulators():
+  from decoupled_diloco.sim import accounting  # pylint: disable=g-import-not-at-top
+  assert (tb.RESTART, tb.LOST_PROGRESS, tb.IDLE_DOWN) == (
+      accounting.RESTART, accounting.LOST_PROGRESS, accounting.IDLE_DOWN)

@@ -30,8 +30,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from decoupled_diloco.sim.accounting import IDLE_DOWN, LOST_PROGRESS, RESTART
-
+# The goodput simulator's names for the same buckets (`sim/accounting.py`; a test keeps them
+# equal): the pure layer imports nothing from above it, the simulator included.
+RESTART = "restart"
+LOST_PROGRESS = "lost_progress"
+IDLE_DOWN = "idle_down"
 USEFUL = "useful"
 DISCARDED = "discarded"
 IDLE = "idle"
