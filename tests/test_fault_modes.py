@@ -70,6 +70,9 @@ def test_in_diloco_every_learner_waits_at_the_barrier_for_the_failed_one(tmp_pat
   assert summary["rejoins"] == 1 and summary["learner_steps"] == [24] * 4
   waits = summary["barrier_wait_seconds"]
   assert all(waits[m] >= 1.0 for m in (0, 2, 3)), waits  # about down_s, at the barrier of step 8
+  # Goodput counts those waits as idle, not as training.
+  buckets = summary["time_buckets"]
+  assert all(buckets[str(m)]["idle"] >= 0.95 * waits[m] for m in (0, 2, 3)), (buckets, waits)
   # Every round merged every learner present: the one at step 8 waited for learner 1's rejoin
   # (which had lost its steps since step 4), the later ones took its new incarnation in.
   assert [r["learners"] for r in run.syncer.tape if r["clock"] == 8] == [[0, 2, 3]]

@@ -79,6 +79,8 @@ def segment(run, *, started_at: float, ended_at: float, final: bool) -> tb.Accou
                       if final and tape else 0)
     waits = [(injector.clock_at(r["at_s"]), injector.clock_at(r["at_s"]) + r["seconds"])
              for r in hangs if r["learner"] == m]
+    # Lock-step modes: time at a barrier (the sync, slower peers, a peer under repair) is idle.
+    waits += [w for l in incarnations for w in l.barrier_waits]
     discarded = sum(l.discarded_fragment_tokens for l in incarnations)
     if final and current[m] not in retired:
       discarded += int(current[m].counters().tokens.sum())

@@ -201,6 +201,7 @@ class Learner:
     # Lock-step: seconds this incarnation spent at barriers, waiting for merges to come back (the
     # sync itself, slower peers, and peers that are down and being repaired).
     self.barrier_wait_s = 0.0
+    self.barrier_waits: list[tuple[float, float]] = []  # (start, end), monotonic: goodput's idle
     self.discarded_fragment_tokens = 0  # tokens of the discarded fragment-steps
     # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
     # taken by any merge): the compute the paper's overwrite discards.
@@ -627,7 +628,10 @@ class Learner:
                 f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
           self._serve(timeout=0.05)
     finally:
-      self.barrier_wait_s += time.monotonic() - began
+      ended = time.monotonic()
+      self.barrier_wait_s += ended - began
+      if ended - began > 1e-3:
+        self.barrier_waits.append((began, ended))
 
 
 @jax.jit
