@@ -23,6 +23,7 @@ def _written(run):
   return [c["number"] for c in run.checkpoints.saved if c["kind"] == "job"]
 
 
+@pytest.mark.slow  # 36 s on CI; the fallback itself is tests/test_checkpoints.py's, in the default run
 def test_a_corrupted_newest_checkpoint_is_skipped_at_resume_for_the_previous_one(tmp_path):
   """The fault fires once the second checkpoint (cut around step 16) is written (its clock jumps
   past T then, so the test does not race the run); then every learner stops stepping, and the run

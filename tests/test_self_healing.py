@@ -128,9 +128,11 @@ def test_a_learner_whose_parameters_go_nan_is_rejected_restarted_and_theta_stays
   assert summary["rejoins"] == 1 and summary["learner_errors"] == [None] * 4
   assert failed_at == [S + 2] and summary["learner_steps"] == [24] * 4
   assert summary["rejected_offers"]["nonfinite"] >= 1
-  rejected = metrics_lib.read_records(str(tmp_path), "rejected")
-  assert rejected and all((r["learner"], r["incarnation"], r["reason"], r["step"]) ==
-                          (1, 0, "nonfinite", S + 1) for r in rejected)
+  # (Healthy offers may be rejected as outliers early in the warmup, as in the default run.)
+  rejected = [r for r in metrics_lib.read_records(str(tmp_path), "rejected")
+              if r["reason"] == "nonfinite"]
+  assert rejected and all((r["learner"], r["incarnation"], r["step"]) == (1, 0, S + 1)
+                          for r in rejected)
   # No merge took a state of learner 1's first incarnation after the corruption.
   for record in run.syncer.tape:
     for learner, incarnation, step in zip(record["learners"], record["incarnations"],
