@@ -343,6 +343,7 @@ def test_global_model_is_evaluated_on_a_learners_devices(tmp_path):
   dp.metrics.close()
 
 
+@pytest.mark.slow  # 25 s on CI: a throughput study (issue 15), kept out of the default run
 def test_merges_keep_up_with_one_learner(tmp_path):
   """Issue 15 part 4: before the flush, at least 95% of the merges that fell due have happened.
   The default experiment's model and sync settings (P = H = 24, tau = 2), one learner."""
