@@ -29,6 +29,25 @@ def _plain(value: Any) -> Any:
   return value
 
 
+def _last_time_s(path: str, tail_bytes: int = 65536) -> float:
+  """The newest `time_s` among the last records of a metrics.jsonl (0 if none): reads its tail
+  only, so resuming a long run does not read its whole history."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(f.tell() - tail_bytes, 0))
+      lines = f.read().decode("utf-8", errors="replace").splitlines()
+  except FileNotFoundError:
+    return 0.0
+  times = []
+  for line in lines[1:] if len(lines) > 1 else lines:  # the first may be cut in the middle
+    try:
+      times.append(float(json.loads(line)["time_s"]))
+    except (ValueError, KeyError, TypeError):
+      continue
+  return max(times, default=0.0)
+
+
 class MetricsWriter:
   """Appends records to workdir/metrics.jsonl and scalars to TensorBoard under workdir/tb."""
 
@@ -38,9 +57,14 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self._lock = threading.Lock()
+    path = os.path.join(workdir, "metrics.jsonl")
+    if resume_at_s is not None:
+      # The interrupted run wrote records after its checkpoint's cut (the checkpoint's own, the
+      # stop's): times go on from the latest of them, so they never run backwards in the file.
+      resume_at_s = max(resume_at_s, _last_time_s(path))
     self._start = time.monotonic() - (resume_at_s or 0.0)
     mode = "w" if resume_at_s is None else "a"
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), mode, encoding="utf-8")
+    self._jsonl = open(path, mode, encoding="utf-8")
     self._tb = SummaryWriter(os.path.join(workdir, "tb")) if tensorboard else None
 
   def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
