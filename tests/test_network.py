@@ -61,9 +61,11 @@ def test_a_partitioned_learner_trains_on_is_merged_without_and_catches_up_when_i
   assert fault["messages_lost"] > 0 and summary["partition_messages_lost"] == fault["messages_lost"]
   # It trained on; the others kept merging without it.
   assert len([e for e in steps.events if e[1] == M and begin < e[0] < end]) >= 5
+  # Installed well inside the partition (its broadcast was lost): not in the milliseconds between
+  # this hook and the injector's cut, when a broadcast could still get through.
   missed = {}
   for t, p, version in installs.events:
-    if begin < t < end:
+    if begin + 0.05 < t < end - 0.05:
       missed[p] = max(missed.get(p, 0), version)
   assert len(missed) >= 4, "the others kept merging during the partition"
   assert not [e for e in received.events if begin + 0.01 < e[0] < end - 0.01], "nothing crossed"
