@@ -106,6 +106,16 @@ def _wait(condition, timeout=10.0):
     time.sleep(0.005)
 
 
+def _merge_ones_at_step_1(syncer, links, p, running):
+  """Starts `syncer` and has it merge fragment p once: every learner offers 1.0 after step 1
+  (four accepted norms: the robust merge's yardstick is filled)."""
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
+  running(syncer)
+  _step(syncer, range(len(links)), 1)
+  _wait(lambda: syncer.stats.merges == 1)
+
+
 def _fragment_with(syncer, name):
   return next(f.index for f in syncer.model.fragments if name in f.names)
 
@@ -432,11 +442,7 @@ def test_a_nonfinite_and_an_outlier_offer_are_rejected_and_theta_is_the_merge_of
   metrics = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
   syncer, links = _syncer(num_learners=4, quorum=4, rule="average", metrics=metrics)
   p = 1
-  for link in links:
-    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
-  running(syncer)
-  _step(syncer, range(4), 1)
-  _wait(lambda: syncer.stats.merges == 1)
+  _merge_ones_at_step_1(syncer, links, p, running)
   for m, value in enumerate([3.0, np.nan, 101.0, 2.0]):
     links[m].answers[p] = _offer(syncer, m, p, value, step=3, since=1, anchor=1.0,
                                  anchor_version=1)
@@ -501,11 +507,7 @@ def test_a_final_round_that_finds_the_yardstick_stale_runs_again(running):
   final round again, and the steps are merged."""
   syncer, links = _syncer(num_learners=4, quorum=4, rule="average")
   p = 1
-  for link in links:
-    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
-  running(syncer)
-  _step(syncer, range(4), 1)
-  _wait(lambda: syncer.stats.merges == 1)
+  _merge_ones_at_step_1(syncer, links, p, running)
   for link in links:
     link.answers[0] = _offer(syncer, link.index, 0, 1.0, step=2)
     link.answers[p] = _offer(syncer, link.index, p, 21.0, step=2, since=1, anchor=1.0,
@@ -552,11 +554,7 @@ def test_the_robust_merge_yardstick_survives_a_syncer_checkpoint(running):
   """A restarted syncer judges offers against the norms the lost one had accepted."""
   syncer, links = _syncer(num_learners=4, quorum=4, rule="average")
   p = 1
-  for link in links:
-    link.answers[p] = _offer(syncer, link.index, p, 1.0, step=1)
-  running(syncer)
-  _step(syncer, range(4), 1)
-  _wait(lambda: syncer.stats.merges == 1)
+  _merge_ones_at_step_1(syncer, links, p, running)
   arrays, values = syncer.model.state()
   fresh, _ = _syncer(num_learners=4, quorum=4, rule="average")
   fresh.model.load_state(arrays, values)
