@@ -73,7 +73,10 @@ def test_a_partitioned_learner_trains_on_is_merged_without_and_catches_up_when_i
   # before it had made 3 steps past the heal (a fragment's own next merge is 8 steps away).
   assert summary["heartbeat_absences"] >= 1 and summary["heartbeat_returns"] >= 1
   [back] = [r for r in metrics_lib.read_records(str(tmp_path), "back") if r["learner"] == M]
-  assert set(back["fragments_sent"]) >= set(missed)
+  # (A fragment merged again after the heal reached it by that merge's own broadcast first, and
+  # its report then said it held it: the take-back owes it only the others.)
+  remerged = {p for t, p, _ in installs.events if t >= end - 0.05}
+  assert back["fragments_sent"] and set(back["fragments_sent"]) >= set(missed) - remerged
   third_step_after = sorted(t for t, m, _ in steps.events if m == M and t > end)[2]
   caught_up = {}
   for t, p, version in received.events:
