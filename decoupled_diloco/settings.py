@@ -33,9 +33,12 @@ from decoupled_diloco.algorithm import heartbeat
 from decoupled_diloco.algorithm import merge
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import schedule as schedule_lib
+from decoupled_diloco.lm import array_records
 from decoupled_diloco.lm import data as data_lib
+from decoupled_diloco.lm import documents
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.lm import tokenizers
 from decoupled_diloco.runtime import chaos
 from decoupled_diloco.runtime import injector
 
@@ -114,7 +117,13 @@ class CompressionSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DataSettings:
-  path: str  # resolved: the bundled corpus when the config says ""
+  # Resolved: the bundled corpus when the config says ""; a text file, a directory or glob of
+  # .txt / .jsonl / .parquet files, or a directory of ArrayRecord shards (scripts/prepare_data.py).
+  source: str
+  # Resolved, as `lm.tokenizers.load` takes it: "byte" or a tokenizer file; "" in the config is the
+  # data's own (byte for text, meta.json's for ArrayRecord shards).
+  tokenizer: str
+  text_field: str  # the text of a .jsonl line / .parquet row
   seq_len: int
   batch_size: int  # per learner as configured (dp mode: see RunSettings.learner_batch_size)
   eval_fraction: float
@@ -245,11 +254,23 @@ def _given_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[s
   return names
 
 
+# Fields that were renamed: a config that still sets one gets the new name and the reason.
+RENAMED = {
+    "data.path": ("data.source", "it now takes a text file, a directory or glob of .txt / .jsonl "
+                                 "/ .parquet files, or a directory of ArrayRecord shards made by "
+                                 "scripts/prepare_data.py"),
+}
+
+
 def _check_fields(config: ml_collections.ConfigDict) -> None:
   """Every given field is known and every known field is given: a typo fails here, named."""
   given = _given_fields(config)
   known = config_fields()
   for name in given:
+    if name in RENAMED:
+      new_name, why = RENAMED[name]
+      raise ValueError(f"config.{name} was renamed to config.{new_name}: {why}. Set "
+                       f"--config.{new_name}=... instead")
     if name not in known:
       raise ValueError(unknown_field_error(name))
   for name in known:
@@ -472,6 +493,50 @@ def _resolve_checkpoint(config, workdir: str) -> tuple[CheckpointSettings, str]:
   return CheckpointSettings(every_steps, directory, keep, syncer_every_s), restore
 
 
+def _resolve_data_source(config) -> tuple[str, str, tokenizers.Tokenizer, int | None]:
+  """(source, tokenizer spec, tokenizer, window length of ArrayRecord shards or None).
+
+  Reads a tokenizer file and a dataset's meta.json, both small, so a run with the wrong one fails
+  before anything compiles.
+  """
+  source = _get(config, "data.source")
+  if not isinstance(source, str):
+    _fail("data.source", source, "must be a path or glob string ('' = the bundled corpus)")
+  source = source or data_lib.default_corpus_path()
+  text_field = _get(config, "data.text_field")
+  if not isinstance(text_field, str) or not text_field:
+    _fail("data.text_field", text_field, "must be the name of the text field of a .jsonl line or "
+                                         ".parquet column")
+  spec = _get(config, "data.tokenizer")
+  if not isinstance(spec, str):
+    _fail("data.tokenizer", spec, "must be 'byte', a tokenizer file path, or '' (the data's own)")
+  dataset_seq_len = None
+  if array_records.is_dataset_dir(source):
+    meta = array_records.read_meta(source)
+    own = array_records.tokenizer_spec(source, meta)
+    if spec and _load_tokenizer(spec).fingerprint != meta["tokenizer_fingerprint"]:
+      _fail("data.tokenizer", spec, f"is not the tokenizer the ArrayRecord shards of "
+                                    f"config.data.source={source!r} were made with ({own}, "
+                                    f"meta.json); leave it '' to use that one")
+    spec = spec or own
+    dataset_seq_len = int(meta["seq_len"])
+  else:
+    if not documents.is_glob(source) and not os.path.exists(source):
+      _fail("data.source", source, "no such file, directory or glob")
+    files = documents.text_files(source)
+    if len(files) == 1 and os.path.getsize(files[0]) == 0:
+      _fail("data.source", source, "the file is empty")
+    spec = spec or "byte"
+  return source, spec, _load_tokenizer(spec), dataset_seq_len
+
+
+def _load_tokenizer(spec: str) -> tokenizers.Tokenizer:
+  try:
+    return tokenizers.load(spec)
+  except FileNotFoundError as err:  # a ValueError here, as every bad field is
+    raise ValueError(str(err)) from err
+
+
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
   """Checks every field of `config`; returns the settings tree or raises ValueError."""
   _check_fields(config)
@@ -521,7 +586,17 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   # against num_steps.
   inner_cfg = inner.InnerConfig(**_section(config, "inner"))
   inner.make_inner_optimizer(inner_cfg, num_steps)
-  model_cfg = model_lib.ModelConfig(**_section(config, "model"))
+  data_source, tokenizer_spec, tokenizer, dataset_seq_len = _resolve_data_source(config)
+  model_fields = _section(config, "model")
+  vocab_size = model_fields["vocab_size"]
+  if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
+    if vocab_size == 0:
+      model_fields["vocab_size"] = tokenizer.vocab_size  # 0 = the tokenizer's
+    elif vocab_size < tokenizer.vocab_size:
+      _fail("model.vocab_size", vocab_size,
+            f"must be >= the {tokenizer.vocab_size} ids of config.data.tokenizer "
+            f"({tokenizer.name}); 0 = the tokenizer's vocabulary size")
+  model_cfg = model_lib.ModelConfig(**model_fields)
 
   if model_cfg.attention == "cudnn" and devices.platform != "gpu":
     _fail("model.attention", model_cfg.attention,
@@ -532,18 +607,13 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   eval_fraction = _check_float(config, "data.eval_fraction", 0.0, 0.5, low_open=True)
   if seq_len > model_cfg.max_seq_len:
     _fail("data.seq_len", seq_len, f"must be <= config.model.max_seq_len={model_cfg.max_seq_len}")
-  if model_cfg.vocab_size < 256:
-    _fail("model.vocab_size", model_cfg.vocab_size, "must be >= 256 for byte-level tokens")
-  path = _get(config, "data.path")
-  if not isinstance(path, str):
-    _fail("data.path", path, "must be a path string ('' = the bundled corpus)")
-  path = path or data_lib.default_corpus_path()
-  if not os.path.isfile(path):
-    _fail("data.path", path, "no such file")
-  if os.path.getsize(path) == 0:
-    _fail("data.path", path, "the file is empty")
-  data = DataSettings(path=path, seq_len=seq_len, batch_size=batch_size,
-                      eval_fraction=eval_fraction)
+  if dataset_seq_len is not None and seq_len != dataset_seq_len:
+    _fail("data.seq_len", seq_len, f"must be {dataset_seq_len}, the window length the ArrayRecord "
+                                   f"shards of config.data.source={data_source!r} were packed "
+                                   f"with (meta.json)")
+  data = DataSettings(source=data_source, tokenizer=tokenizer_spec,
+                      text_field=_get(config, "data.text_field"), seq_len=seq_len,
+                      batch_size=batch_size, eval_fraction=eval_fraction)
 
   learner_batch_size = batch_size
   if mode == "dp":

@@ -154,7 +154,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.inner.grad_clip_norm = 1.0  # 0 = no clipping
 
   config.model = ml_collections.ConfigDict()
-  config.model.vocab_size = 256  # byte-level tokens
+  config.model.vocab_size = 0  # 0 = the tokenizer's (256 for bytes); larger pads the embedding
   config.model.embed_dim = 64
   config.model.num_layers = 4
   config.model.num_heads = 4
@@ -172,8 +172,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.attention = "xla"
 
   config.data = ml_collections.ConfigDict()
-  config.data.path = ""  # a text file, read as bytes; "" = the bundled tiny-shakespeare corpus
+  # A text file; a directory or glob of .txt / .jsonl / .parquet files; or a directory of ArrayRecord
+  # shards made by scripts/prepare_data.py. "" = the bundled tiny-shakespeare corpus.
+  config.data.source = ""
+  # byte | a SentencePiece .model | a tokenizers .json file (scripts/train_tokenizer.py); "" = the
+  # data's own: byte for text, the one in meta.json for ArrayRecord shards.
+  config.data.tokenizer = ""
+  config.data.text_field = "text"  # the text of a .jsonl line or .parquet row
   config.data.seq_len = 128
   config.data.batch_size = 16  # per learner (dp mode: num_learners x this, one learner)
-  config.data.eval_fraction = 0.05  # the last 5% of the file is held out for evaluation
+  # The last 5% of each text file's tokens is held out for evaluation (ArrayRecord shards: the
+  # split prepare_data.py made, its --eval_fraction).
+  config.data.eval_fraction = 0.05
   return config

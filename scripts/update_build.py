@@ -17,7 +17,8 @@ THIRD_PARTY = {
     "jax": "jax", "flax": "flax", "optax": "optax", "orbax": "orbax-checkpoint",
     "chex": "chex", "ml_collections": "ml-collections", "grain": "grain", "absl": "absl-py",
     "numpy": "numpy", "tensorboardX": "tensorboardx", "matplotlib": "matplotlib",
-    "pytest": "pytest", "ml_dtypes": "ml-dtypes",
+    "pytest": "pytest", "ml_dtypes": "ml-dtypes", "sentencepiece": "sentencepiece",
+    "tokenizers": "tokenizers", "array_record": "array-record", "pyarrow": "pyarrow",
 }
 
 

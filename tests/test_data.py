@@ -40,11 +40,11 @@ def test_load_tokens_returns_the_file_bytes(tmp_path):
   assert tokens.tolist() == [104, 0xC3, 0xA9, 108, 108, 111, 10]
 
 
-def test_missing_or_empty_file_errors_name_config_data_path(tmp_path):
-  with pytest.raises(FileNotFoundError, match=r"config\.data\.path="):
+def test_missing_or_empty_file_errors_name_config_data_source(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"config\.data\.source="):
     data.load_tokens(str(tmp_path / "absent.txt"))
   (tmp_path / "empty.txt").write_bytes(b"")
-  with pytest.raises(ValueError, match=r"config\.data\.path=.*empty"):
+  with pytest.raises(ValueError, match=r"config\.data\.source=.*empty"):
     data.load_tokens(str(tmp_path / "empty.txt"))
 
 

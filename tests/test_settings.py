@@ -49,7 +49,11 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("compression.broadcast", "int4", "config.compression.broadcast='int4'"),
     ("inner.learning_rate", -3e-3, "config.inner.learning_rate"),
     ("model.num_heads", 0, "config.model.num_heads"),
-    ("data.path", "/no/such/corpus.txt", "config.data.path='/no/such/corpus.txt'"),
+    ("data.source", "/no/such/corpus.txt", "config.data.source='/no/such/corpus.txt'"),
+    ("data.tokenizer", "/no/such/tokenizer.model", "config.data.tokenizer='/no/such/tokenizer"),
+    ("data.tokenizer", "gpt2", "config.data.tokenizer='gpt2': unknown kind of tokenizer"),
+    ("data.text_field", "", "config.data.text_field=''"),
+    ("model.vocab_size", 200, "config.model.vocab_size=200 is invalid: must be >= the 256 ids"),
     ("data.seq_len", 4096, "config.data.seq_len=4096"),
     ("data.batch_size", 15, "config.data.batch_size=15"),  # does not split over data axis 2
     ("data.eval_fraction", 0.0, "config.data.eval_fraction=0.0"),
@@ -63,6 +67,19 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
   _assert_fails(field, value, needle)
+
+
+def test_the_renamed_data_path_says_its_new_name_and_why():
+  config = tiny_cpu.get_config()
+  config.data.path = "corpus.txt"
+  with pytest.raises(ValueError, match=r"config\.data\.path was renamed to config\.data\.source: it "
+                                       r"now takes .*ArrayRecord"):
+    settings.validate(config)
+
+
+def test_vocab_size_zero_is_the_tokenizers():
+  assert settings.validate(tiny_cpu.get_config()).model.vocab_size == 256
+  assert settings.validate(_config(**{"model.vocab_size": 512})).model.vocab_size == 512
 
 
 def test_cudnn_attention_needs_gpu_devices():
@@ -130,7 +147,9 @@ def test_every_config_field_lands_at_its_dotted_path():
   config = tiny_cpu.get_config()
   run = settings.validate(config)
   resolved = {
-      "data.path": data.default_corpus_path(),  # "" = the bundled corpus
+      "data.source": data.default_corpus_path(),  # "" = the bundled corpus
+      "data.tokenizer": "byte",  # "" = the data's own: bytes for text
+      "model.vocab_size": 256,  # 0 = the tokenizer's
       "learner_mesh_shapes": ((2, 1),) * 4,  # one entry stands for every learner
       "learner_step_delays_s": (0.0,) * 4,  # empty = no delay
       "checkpoint.dir": os.path.join(config.workdir, "checkpoints"),  # "" = under the workdir

@@ -1,20 +1,30 @@
-"""Byte-level language-modelling data: a text file, packed windows, one grain shard per learner.
+"""Language-modelling data: token streams, packed windows, one grain shard per learner.
 
-Every byte of the file is a token (vocab 256), so no tokenizer is needed and the loss is in nats per
-byte. The file is split once, contiguously: the last `eval_fraction` is held out, so eval text never
-overlaps training text. The training windows are split into disjoint shards, one per learner (each
-learner of DiLoCo trains on its own data shard), and shuffled by grain with a seed. The grain iterator
-state is small and JSON-serialisable, so it goes into checkpoints with the model.
+`config.data.source` is text (a file, or a directory or glob of .txt / .jsonl / .parquet files,
+tokenized here in memory) or a directory of pre-tokenized ArrayRecord shards (`array_records`,
+written by scripts/prepare_data.py). With the byte tokenizer every byte of a text file is a token
+(vocab 256), as before tokenizers came: that path reads the file's bytes as they are.
+
+Each text file is split once, contiguously: the last `eval_fraction` of its tokens is held out, so
+eval text never overlaps training text (a single file: the last 5% of it, as before). The training
+windows are split into disjoint shards, one per learner (each learner of DiLoCo trains on its own
+data shard), and shuffled by grain with a seed. The grain iterator state is small and
+JSON-serialisable, so it goes into checkpoints with the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import os
 from typing import Any
 
 import grain
 import numpy as np
+
+from decoupled_diloco.lm import array_records
+from decoupled_diloco.lm import documents
+from decoupled_diloco.lm import tokenizers as tokenizers_lib
 
 # Only the input/target pairs of a window are used, so reading is a numpy slice of memory; grain's
 # reader threads would only contend for the GIL with the learner threads.
@@ -30,10 +40,10 @@ def default_corpus_path() -> str:
 def load_tokens(path: str) -> np.ndarray:
   """The bytes of the file at `path` as uint8 tokens."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"config.data.path={path!r} is not a readable file")
+    raise FileNotFoundError(f"config.data.source={path!r} is not a readable file")
   tokens = np.fromfile(path, dtype=np.uint8)
   if tokens.size == 0:
-    raise ValueError(f"config.data.path={path!r} is empty")
+    raise ValueError(f"config.data.source={path!r} is empty")
   return tokens
 
 
@@ -42,12 +52,98 @@ def split_tokens(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, 
   if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) \
       or not 0.0 < eval_fraction <= 0.5:
     raise ValueError(f"config.data.eval_fraction={eval_fraction!r} must be in (0, 0.5]")
-  num_eval = int(round(len(tokens) * eval_fraction))
-  if num_eval < 1:
+  train, evals = _tail_split(tokens, eval_fraction)
+  if len(evals) < 1:
     raise ValueError(
         f"config.data.eval_fraction={eval_fraction} holds out no token of the {len(tokens)}"
     )
-  return tokens[:-num_eval], tokens[-num_eval:]
+  return train, evals
+
+
+def _tail_split(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  num_eval = int(round(len(tokens) * eval_fraction))
+  return tokens[:len(tokens) - num_eval], tokens[len(tokens) - num_eval:]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """The narrowest unsigned dtype that holds every id: a stream in memory is 1-4 bytes a token."""
+  return np.dtype(np.uint8 if vocab_size <= 1 << 8 else
+                  np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+def file_tokens(path: str, tokenizer: tokenizers_lib.Tokenizer, text_field: str,
+                skipped: documents.SkipCounter) -> np.ndarray:
+  """The token stream of one text file: its documents encoded, each followed by the tokenizer's
+  end-of-text id (if it has one). Bad records are counted in `skipped` and left out."""
+  dtype = token_dtype(tokenizer.vocab_size)
+  if tokenizer.name == "byte" and not path.endswith((".jsonl", ".parquet")):
+    # The bytes of a text file are its byte tokens, UTF-8 or not: the path every run took before
+    # tokenizers came, kept byte for byte so its windows, order and losses are unchanged.
+    tokens = np.fromfile(path, dtype=np.uint8)
+    if tokens.size == 0:
+      skipped["empty"] += 1
+    return tokens
+  pieces = []
+  eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+  for text in documents.read_documents(path, text_field, skipped):
+    pieces += [tokenizer.encode(text), np.asarray(eos, np.int64)]
+  return np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
+
+
+def split_files(paths: list[str], tokenizer: tokenizers_lib.Tokenizer, text_field: str,
+                eval_fraction: float, skipped: documents.SkipCounter):
+  """Yields (path, train tokens, eval tokens) per file: the last `eval_fraction` of each file's
+  tokens is held out. Every file adds to both splits, so a directory of shards of a corpus is
+  evaluated on all of them; one file at a time is in memory (scripts/prepare_data.py streams)."""
+  for path in paths:
+    tokens = file_tokens(path, tokenizer, text_field, skipped)
+    yield (path, *_tail_split(tokens, eval_fraction))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """The windows a run trains and evaluates on, and what reading them skipped."""
+
+  train: grain.sources.RandomAccessDataSource
+  eval: grain.sources.RandomAccessDataSource
+  tokenizer: tokenizers_lib.Tokenizer
+  skipped: dict[str, int]  # bad records by reason (documents.SKIP_REASONS)
+
+
+def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field: str,
+                 seq_len: int, eval_fraction: float) -> Dataset:
+  """The train and eval windows of `config.data.source` (settings.validate resolved it).
+
+  A directory of ArrayRecord shards is opened for random access, its eval split as prepared; text
+  is read and tokenized here, whole, into memory.
+  """
+  if array_records.is_dataset_dir(source):
+    meta = array_records.read_meta(source)
+    skipped = {r: int(meta["skipped_by_reason"].get(r, 0)) for r in documents.SKIP_REASONS}
+    return Dataset(array_records.open_split(source, meta, "train"),
+                   array_records.open_split(source, meta, "eval"), tokenizer, skipped)
+  files = documents.text_files(source)
+  skipped = documents.SkipCounter()
+  if len(files) == 1:
+    tokens = file_tokens(files[0], tokenizer, text_field, skipped)
+    if tokens.size == 0:
+      raise ValueError(f"config.data.source={source!r} holds no text ({skipped.as_dict()} "
+                       f"records skipped)")
+    train, evals = split_tokens(tokens, eval_fraction)
+  else:
+    parts = list(split_files(files, tokenizer, text_field, eval_fraction, skipped))
+    train = np.concatenate([p[1] for p in parts])
+    evals = np.concatenate([p[2] for p in parts])
+    if evals.size == 0:
+      raise ValueError(f"config.data.eval_fraction={eval_fraction} holds out no token of the "
+                       f"{train.size} of config.data.source={source!r}")
+  return Dataset(PackedSequences(train, seq_len), PackedSequences(evals, seq_len), tokenizer,
+                 skipped.as_dict())
+
+
+def eval_bytes(batches: list[dict[str, np.ndarray]], tokenizer: tokenizers_lib.Tokenizer) -> int:
+  """UTF-8 bytes of text the eval targets stand for: bits per byte = nats x targets / (bytes ln 2)."""
+  return sum(tokenizer.num_bytes(b["targets"].reshape(-1)) for b in batches)
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -88,7 +184,13 @@ class PackedSequences(grain.sources.RandomAccessDataSource):
     return f"PackedSequences(num_windows={self._num_windows}, seq_len={self._window - 1})"
 
 
-def make_train_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int, shard_index: int,
+def _windows(data: np.ndarray | grain.sources.RandomAccessDataSource, seq_len: int
+             ) -> grain.sources.RandomAccessDataSource:
+  """Windows of a token stream (PackedSequences), or a source of windows as it is."""
+  return PackedSequences(data, seq_len) if isinstance(data, np.ndarray) else data
+
+
+def make_train_loader(tokens: np.ndarray | grain.sources.RandomAccessDataSource, *, seq_len: int, batch_size: int, shard_index: int,
                       num_shards: int, seed: int, num_epochs: int | None = None
                       ) -> grain.DataLoader:
   """Shuffled batches {"inputs", "targets": int32[batch_size, seq_len]} of one learner's shard.
@@ -96,13 +198,14 @@ def make_train_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int, shar
   The shard is a contiguous 1/num_shards of the windows (the remainder dropped), so the shards of
   different learners are disjoint; each epoch reshuffles within the shard. `num_epochs=None` repeats
   forever. `iter(loader)` gives an iterator with get_state()/set_state() for checkpoints.
+  `tokens` is a stream to cut into windows, or a source of windows (`Dataset.train`).
   """
   _check_positive("batch_size", batch_size)
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
     raise ValueError(f"num_shards={num_shards!r} must be a positive integer")
   if not 0 <= shard_index < num_shards:
     raise ValueError(f"shard_index={shard_index!r} must be in [0, num_shards={num_shards})")
-  source = PackedSequences(tokens, seq_len)
+  source = _windows(tokens, seq_len)
   per_shard = len(source) // num_shards
   if per_shard < batch_size:
     raise ValueError(
@@ -127,13 +230,13 @@ def make_train_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int, shar
   )
 
 
-def make_eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, max_batches: int
+def make_eval_batches(tokens: np.ndarray | grain.sources.RandomAccessDataSource, *, seq_len: int, batch_size: int, max_batches: int
                       ) -> list[dict[str, np.ndarray]]:
   """The first `max_batches` full batches of windows of `tokens` (the eval split), in order."""
   _check_positive("batch_size", batch_size)
   if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
     raise ValueError(f"max_batches={max_batches!r} must be a positive integer")
-  source = PackedSequences(tokens, seq_len)
+  source = _windows(tokens, seq_len)
   if len(source) < batch_size:
     raise ValueError(
         f"the eval split has {len(source)} windows, fewer than config.data.batch_size="

@@ -34,6 +34,7 @@ from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import evaluate
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.lm import tokenizers
 from decoupled_diloco.runtime import checkpoint_faults
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import devices as devices_lib
@@ -77,6 +78,9 @@ class Run:
   started_at: float | None = None
   # dp mode: restarts the whole job from its newest checkpoint after a failure.
   restarter: job_restart.JobRestarter | None = None
+  # The tokenizer's name, bad records skipped by reason, and the eval targets' tokens and UTF-8
+  # bytes (for bits per byte).
+  data_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Interrupted(Exception):
@@ -135,11 +139,15 @@ def build(settings: settings_lib.RunSettings, *,
   metrics = metrics_lib.MetricsWriter(
       settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None)
   data = settings.data
-  train_tokens, eval_tokens = data_lib.split_tokens(data_lib.load_tokens(data.path),
-                                                    data.eval_fraction)
+  dataset = data_lib.load_dataset(
+      data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
+      seq_len=data.seq_len, eval_fraction=data.eval_fraction)
   eval_batches = data_lib.make_eval_batches(
-      eval_tokens, seq_len=data.seq_len, batch_size=data.batch_size,
+      dataset.eval, seq_len=data.seq_len, batch_size=data.batch_size,
       max_batches=settings.eval_batches)
+  data_info = {"tokenizer": dataset.tokenizer.name, "records_skipped": dataset.skipped,
+               "eval_tokens": sum(b["targets"].size for b in eval_batches),
+               "eval_bytes": data_lib.eval_bytes(eval_batches, dataset.tokenizer)}
   tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
   model_cfg = settings.model
   sync = settings.sync if with_syncer else None
@@ -180,7 +188,7 @@ def build(settings: settings_lib.RunSettings, *,
     if injector is not None:
       train_step = injector.wrap_train_step(index, train_step)  # nan faults corrupt its output
     loader = data_lib.make_train_loader(
-        train_tokens, seq_len=data.seq_len, batch_size=settings.learner_batch_size,
+        dataset.train, seq_len=data.seq_len, batch_size=settings.learner_batch_size,
         shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
     built.append((train_step, state, shardings, iter(loader)))
   syncer, port = None, None
@@ -299,7 +307,7 @@ def build(settings: settings_lib.RunSettings, *,
   return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
-             history, restored, keeper, corrupter, restarter=restarter)
+             history, restored, keeper, corrupter, restarter=restarter, data_info=data_info)
 
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
@@ -426,8 +434,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
   if progress:
-    logging.info("done: final eval loss %.4f nats/byte, %.1f s, summary in %s",
-                 final["eval_loss"], summary["wall_seconds"],
+    logging.info("done: final eval loss %.4f nats/token (%.4f bits/byte), %.1f s, summary in %s",
+                 final["eval_loss"], final["eval_bits_per_byte"], summary["wall_seconds"],
                  os.path.join(settings.workdir, "summary.json"))
     logging.info("goodput %.1f%% (learner-seconds on steps that reached the global model), uptime "
                  "%.1f%% (wall time with a learner training); per learner in time_buckets",
@@ -716,12 +724,21 @@ def train_and_evaluate(settings: settings_lib.RunSettings) -> dict[str, Any]:
 def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
   started = time.perf_counter()
   loss = run.evaluator(global_params(run))
-  record = {"step": clock, "eval_loss": loss, "final": final,
+  bpb = _bits_per_byte(run, loss)
+  record = {"step": clock, "eval_loss": loss, "eval_bits_per_byte": bpb, "final": final,
             "seconds": time.perf_counter() - started}
-  run.metrics.write("eval", record, step=clock, scalars={"eval/loss": loss})
-  logging.info("eval at step %d: global model %.4f nats/byte%s", clock, loss,
-               " (final)" if final else "")
+  run.metrics.write("eval", record, step=clock,
+                    scalars={"eval/loss": loss, "eval/bits_per_byte": bpb})
+  logging.info("eval at step %d: global model %.4f nats/token, %.4f bits/byte%s", clock, loss,
+               bpb, " (final)" if final else "")
   return record
+
+
+def _bits_per_byte(run: Run, loss: float) -> float:
+  """Nats per eval token as bits per byte of the text those tokens cover: comparable across
+  tokenizers (for bytes it is loss / ln 2)."""
+  info = run.data_info
+  return float(loss * info["eval_tokens"] / (max(info["eval_bytes"], 1) * np.log(2)))
 
 
 def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
@@ -760,7 +777,13 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "num_params": run.num_params,
       "num_fragments": len(run.fragments),
       "tokens_trained": int(sum(steps_made) * tokens_per_step),
-      "final_eval_loss": evals[-1]["eval_loss"],
+      "final_eval_loss": evals[-1]["eval_loss"],  # nats per token
+      "final_eval_bits_per_byte": evals[-1]["eval_bits_per_byte"],
+      "tokenizer": run.data_info["tokenizer"],
+      # Bad records left out of the data (empty, missing text field, invalid UTF-8, bad JSON): at
+      # load time for text, when scripts/prepare_data.py packed it for ArrayRecord shards.
+      "data_records_skipped": sum(run.data_info["records_skipped"].values()),
+      "data_records_skipped_by_reason": run.data_info["records_skipped"],
       "eval_history": evals,
       "eval_seconds": sum(e["seconds"] for e in evals),
       "bytes_learner_syncer": stats.bytes_up + stats.bytes_down,

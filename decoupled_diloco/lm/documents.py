@@ -1,0 +1,128 @@
+"""Text documents of `config.data.source`: .txt, .jsonl and .parquet files, bad records counted.
+
+A source is a file, a directory (its .txt / .jsonl / .parquet files, sorted) or a glob. A `.txt`
+file is one document; each line of a `.jsonl` file and each row of a `.parquet` file is one, its text
+in `config.data.text_field`. A record that cannot give text is skipped and counted by reason, never
+fatal: a crawl of a billion documents always holds a few broken ones, and a run that dies on the
+first wastes the pod. The counts reach meta.json (scripts/prepare_data.py) and summary.json.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+TEXT_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+# Why a record was skipped: no text in it, no text_field (or not a string), bytes that are not
+# UTF-8, a line that is not JSON (or not a JSON object).
+SKIP_REASONS = ("empty", "missing_field", "invalid_utf8", "bad_json")
+FIELD = "config.data.source"
+
+
+class SkipCounter(collections.Counter):
+  """Skipped records by reason (SKIP_REASONS)."""
+
+  @property
+  def total(self) -> int:
+    return sum(self.values())
+
+  def as_dict(self) -> dict[str, int]:
+    return {reason: int(self.get(reason, 0)) for reason in SKIP_REASONS}
+
+
+def is_glob(source: str) -> bool:
+  return any(c in source for c in "*?[")
+
+
+def text_files(source: str) -> list[str]:
+  """The text files a source names, in a fixed order (learners' shards and the eval split depend
+  on it). Raises ValueError naming config.data.source when there are none."""
+  if is_glob(source):
+    files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+  elif os.path.isdir(source):
+    files = sorted(os.path.join(source, n) for n in os.listdir(source)
+                   if n.endswith(TEXT_EXTENSIONS) and os.path.isfile(os.path.join(source, n)))
+  elif os.path.isfile(source):
+    return [source]  # one file: text whatever its extension, as before .jsonl / .parquet came
+  else:
+    raise ValueError(f"{FIELD}={source!r}: no such file, directory or glob match")
+  files = [p for p in files if p.endswith(TEXT_EXTENSIONS)]
+  if not files:
+    raise ValueError(f"{FIELD}={source!r} holds no {' / '.join(TEXT_EXTENSIONS)} file")
+  return files
+
+
+def read_documents(path: str, text_field: str, skipped: SkipCounter) -> Iterator[str]:
+  """The documents of one file, in order; bad records are counted in `skipped` and left out."""
+  if path.endswith(".jsonl"):
+    yield from _jsonl(path, text_field, skipped)
+  elif path.endswith(".parquet"):
+    yield from _parquet(path, text_field, skipped)
+  else:
+    with open(path, "rb") as f:
+      text = _decode(f.read(), skipped)
+    if text is not None:
+      yield text
+
+
+def _decode(raw: bytes, skipped: SkipCounter) -> str | None:
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError:
+    skipped["invalid_utf8"] += 1
+    return None
+  if not text.strip():
+    skipped["empty"] += 1
+    return None
+  return text
+
+
+def _jsonl(path: str, text_field: str, skipped: SkipCounter) -> Iterator[str]:
+  with open(path, "rb") as f:
+    for raw in f:
+      if not raw.strip():
+        skipped["empty"] += 1
+        continue
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError:
+        skipped["invalid_utf8"] += 1
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        skipped["bad_json"] += 1
+        continue
+      if not isinstance(record, dict):
+        skipped["bad_json"] += 1
+        continue
+      text = record.get(text_field)
+      if not isinstance(text, str):
+        skipped["missing_field"] += 1
+      elif not text.strip():
+        skipped["empty"] += 1
+      else:
+        yield text
+
+
+def _parquet(path: str, text_field: str, skipped: SkipCounter) -> Iterator[str]:
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  parquet = pq.ParquetFile(path)
+  if text_field not in parquet.schema_arrow.names:
+    skipped["missing_field"] += parquet.metadata.num_rows
+    return
+  for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
+    for value in batch.column(0).to_pylist():
+      if isinstance(value, bytes):  # a binary column: its bytes may not be UTF-8
+        value = _decode(value, skipped)
+        if value is not None:
+          yield value
+      elif not isinstance(value, str):
+        skipped["missing_field"] += 1  # null, or not text
+      elif not value.strip():
+        skipped["empty"] += 1
+      else:
+        yield value
