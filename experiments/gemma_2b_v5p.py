@@ -1,9 +1,9 @@
 """Reference config for Cloud TPU: a Gemma-2B-shaped decoder, 8 learners of one v5p-128 slice each.
 
 Start from this on a Pathways / multi-slice TPU deployment: one controller sees all 8 x 64 chips and
-carves them into 8 learner meshes of (data=16, model=4); the syncer runs on host CPUs. Replace
-`data.path` with your corpus (the runtime reads byte-level text today; a tokenised grain source with
-a 256k vocabulary is the next data step, so vocab_size stays at Gemma's value here for sizing only).
+carves them into 8 learner meshes of (data=16, model=4); the syncer runs on host CPUs. Set
+`data.source` to ArrayRecord shards of your corpus made by scripts/prepare_data.py with a 256k
+tokenizer (the bundled byte corpus here only validates; vocab_size is Gemma's for sizing).
 Sync defaults are the paper's main-experiment values (spec §7): P = H = 24, tau = 2, K = 1, M = 8.
 """
 

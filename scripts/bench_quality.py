@@ -48,7 +48,10 @@ def main(argv):
   from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.runtime import train
   data_settings = settings.validate(base).data
-  train_tokens, eval_tokens = data.split_tokens(data.load_tokens(data_settings.path),
+  if data_settings.tokenizer != "byte":
+    raise ValueError(f"config.data.tokenizer={data_settings.tokenizer!r}: the unigram and bigram "
+                     f"baselines here are byte-level; compare other tokenizers in bits per byte")
+  train_tokens, eval_tokens = data.split_tokens(data.load_tokens(data_settings.source),
                                                 data_settings.eval_fraction)
   bigram = data.bigram_entropy(train_tokens, eval_tokens)
   unigram = data.unigram_entropy(eval_tokens)

@@ -85,6 +85,17 @@ def test_parquet_rows_without_text_are_skipped_and_a_missing_column_counts_every
   assert skipped["missing_field"] == 4
 
 
+def test_a_source_is_a_file_a_directory_or_a_glob_in_a_fixed_order(corpus, tmp_path):
+  a, b = str(corpus / "a.jsonl"), str(corpus / "b.jsonl")
+  assert documents.text_files(str(corpus)) == [a, b]
+  assert documents.text_files(str(corpus / "*.jsonl")) == [a, b]
+  assert documents.text_files(b) == [b]
+  with pytest.raises(ValueError, match=r"config\.data\.source=.*no such file"):
+    documents.text_files(str(tmp_path / "absent"))
+  with pytest.raises(ValueError, match=r"config\.data\.source=.*holds no \.txt"):
+    documents.text_files(str(tmp_path))
+
+
 def test_prepare_data_writes_shards_and_meta_that_the_loader_reads(corpus, bpe, shards):
   meta = json.loads((pathlib.Path(shards) / "meta.json").read_text(encoding="utf-8"))
   assert meta["tokenizer"] == "tokenizer.json" and meta["vocab_size"] == 320
