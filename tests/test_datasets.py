@@ -169,10 +169,10 @@ def test_settings_take_the_tokenizer_from_meta_and_refuse_another(shards, tmp_pa
 
 def test_a_run_trains_on_prepared_shards_with_a_trained_tokenizer(shards, tmp_path):
   from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
-  # dp mode: one learner and no syncer to compile keeps this test to seconds; the data path is
-  # the same in every mode.
+  # dp mode on one device: one learner and no syncer to compile keep this test to seconds; the data
+  # path is the same in every mode.
   run = train.build(tiny_settings(tmp_path, data__source=shards, num_steps=8, eval_batches=1,
-                                  mode="dp"))
+                                  mode="dp", num_learners=1, learner_mesh_shapes=((1, 1),)))
   summary = train.execute(run, progress=False)
   assert summary["learner_steps"] == [8] and summary["learner_errors"] == [None]
   assert summary["tokenizer"] == "tokenizers tokenizer.json"
