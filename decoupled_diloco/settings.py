@@ -226,8 +226,19 @@ def config_fields() -> tuple[str, ...]:
                for section, names in _config_fields().items() for name in names)
 
 
+# Fields that were renamed: a config that still sets one gets the new name and the reason.
+RENAMED = {
+    "data.path": ("data.source", "it now takes a text file, a directory or glob of .txt / .jsonl "
+                                 "/ .parquet files, or a directory of ArrayRecord shards made by "
+                                 "scripts/prepare_data.py"),
+}
+
+
 def unknown_field_error(name: str) -> str:
   """The one-line error for a config field the settings tree does not know."""
+  if name in RENAMED:
+    new_name, why = RENAMED[name]
+    return f"config.{name} was renamed to config.{new_name}: {why}. Set config.{new_name} instead"
   sections = [s for s in _config_fields() if s]
   if name in sections:
     return f"config.{name} must be a section of fields, not a value"
@@ -254,23 +265,11 @@ def _given_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[s
   return names
 
 
-# Fields that were renamed: a config that still sets one gets the new name and the reason.
-RENAMED = {
-    "data.path": ("data.source", "it now takes a text file, a directory or glob of .txt / .jsonl "
-                                 "/ .parquet files, or a directory of ArrayRecord shards made by "
-                                 "scripts/prepare_data.py"),
-}
-
-
 def _check_fields(config: ml_collections.ConfigDict) -> None:
   """Every given field is known and every known field is given: a typo fails here, named."""
   given = _given_fields(config)
   known = config_fields()
   for name in given:
-    if name in RENAMED:
-      new_name, why = RENAMED[name]
-      raise ValueError(f"config.{name} was renamed to config.{new_name}: {why}. Set "
-                       f"--config.{new_name}=... instead")
     if name not in known:
       raise ValueError(unknown_field_error(name))
   for name in known:

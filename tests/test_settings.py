@@ -75,6 +75,9 @@ def test_the_renamed_data_path_says_its_new_name_and_why():
   with pytest.raises(ValueError, match=r"config\.data\.path was renamed to config\.data\.source: it "
                                        r"now takes .*ArrayRecord"):
     settings.validate(config)
+  # A command-line override of a field the config lacks gets the same line (main.py).
+  assert settings.unknown_field_error("data.path").startswith(
+      "config.data.path was renamed to config.data.source")
 
 
 def test_vocab_size_zero_is_the_tokenizers():
