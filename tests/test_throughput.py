@@ -16,7 +16,8 @@ from decoupled_diloco.runtime import train
 @pytest.mark.parametrize("kind,peak", [
     ("TPU v5", 459e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v6 lite", 918e12),
     ("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA H100 PCIe", 756.5e12),
-    ("NVIDIA H200", 989.5e12), ("cpu", None), ("TPU v4", None), ("NVIDIA A100-SXM4-40GB", None),
+    ("NVIDIA H200", 989.5e12), ("TPU v4", 275e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12), ("cpu", None), ("NVIDIA GeForce RTX 4090", None),
 ])
 def test_peak_flops_come_from_the_device_kind_and_unknown_kinds_have_none(kind, peak):
   assert throughput.peak_flops_per_s(kind) == (pytest.approx(peak) if peak else None)

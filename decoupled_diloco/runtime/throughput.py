@@ -26,6 +26,8 @@ _TPU_PEAKS = {
     "tpu v6 lite": 918e12, "tpu v6e": 918e12,
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16 per chip.
     "tpu v5 lite": 197e12, "tpu v5e": 197e12,
+    # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16 per chip.
+    "tpu v4": 275e12,
 }
 _GPU_PEAKS = (
     # https://www.nvidia.com/en-us/data-center/h100/ (datasheet): BF16 Tensor Core 1,979 TFLOP/s
@@ -34,6 +36,9 @@ _GPU_PEAKS = (
     # https://www.nvidia.com/en-us/data-center/h200/ (datasheet): BF16 Tensor Core 1,979 TFLOP/s
     # SXM, 1,671 NVL, "with sparsity": half of it dense.
     ("h200 nvl", 1671e12 / 2), ("h200", 1979e12 / 2),
+    # https://www.nvidia.com/en-us/data-center/a100/ (datasheet): BF16 Tensor Core 312 TFLOP/s
+    # dense (624 with sparsity), SXM and PCIe alike.
+    ("a100", 312e12),
 )
 
 

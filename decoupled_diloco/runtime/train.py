@@ -778,9 +778,10 @@ def _throughput(run: Run, learners, last: int | None = None) -> throughput_lib.T
   settings = run.settings
   tokens = device_seconds = 0.0
   for learner in learners:
-    ends, times = learner.step_ends, learner.step_times
-    if last is not None:
-      ends, times = ends[-last:], times[-last:]
+    # A learner thread may append a step between the two reads: pair them from the start.
+    done = min(len(learner.step_ends), len(learner.step_times))
+    first = max(done - last, 0) if last is not None else 0
+    ends, times = learner.step_ends[first:done], learner.step_times[first:done]
     count, seconds = throughput_lib.steps_outside(ends, times, run.eval_windows)
     tokens += count * settings.learner_batch_size * settings.data.seq_len
     device_seconds += seconds * len(learner.mesh_devices)
