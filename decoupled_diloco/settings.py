@@ -187,6 +187,12 @@ class RunSettings:
   # auto: resume from the newest checkpoint in checkpoint.dir if there is one | latest: resume, and
   # fail if there is none | none: start afresh (checkpoint.dir must hold none) | a checkpoint path.
   restore: str
+  # (first, last) steps (0-based, inclusive) of learner 0 traced by jax.profiler into
+  # workdir/profile; None = no trace (the config's ()).
+  profile_steps: tuple[int, int] | None
+  # Persistent JAX compilation cache, resolved: workdir/jax_cache for the config's "", None for
+  # "none" (the run sets none; one JAX's own flags or environment set stands).
+  compilation_cache_dir: str | None
   # Sequences per step of each learner: data.batch_size, times num_learners in dp mode.
   learner_batch_size: int = dataclasses.field(metadata=_DERIVED)
 
@@ -536,6 +542,30 @@ def _load_tokenizer(spec: str) -> tokenizers.Tokenizer:
     raise ValueError(str(err)) from err
 
 
+def _profile_steps(config, num_steps: int) -> tuple[int, int] | None:
+  steps = _get(config, "profile_steps")
+  if isinstance(steps, (list, tuple)) and not steps:
+    return None
+  if (not isinstance(steps, (list, tuple)) or len(steps) != 2 or
+      any(isinstance(s, bool) or not isinstance(s, int) for s in steps) or
+      not 0 <= steps[0] <= steps[1] < num_steps):
+    _fail("profile_steps", steps, f"must be () (no trace) or (first, last) with 0 <= first <= "
+                                  f"last < config.num_steps={num_steps}")
+  return int(steps[0]), int(steps[1])
+
+
+def _compilation_cache_dir(config, workdir: str) -> str | None:
+  directory = _get(config, "compilation_cache_dir")
+  if not isinstance(directory, str):
+    _fail("compilation_cache_dir", directory,
+          "must be a path string ('' = workdir/jax_cache, 'none' = no persistent cache)")
+  if directory == "none":
+    return None
+  directory = directory or os.path.join(workdir, "jax_cache")
+  _local_dir("compilation_cache_dir", directory)
+  return directory
+
+
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
   """Checks every field of `config`; returns the settings tree or raises ValueError."""
   _check_fields(config)
@@ -562,6 +592,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   max_restarts = _check_int(config, "max_restarts", 0)
   late_learners = _late_learners(config, mode, num_learners, chaos_settings.faults)
   checkpoint, restore = _resolve_checkpoint(config, workdir)
+  profile_steps = _profile_steps(config, num_steps)
+  compilation_cache_dir = _compilation_cache_dir(config, workdir)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
                                          for f in chaos_settings.faults):
     _fail("chaos.schedule", chaos_settings.schedule, "corrupt_checkpoint damages the newest "
@@ -643,4 +675,5 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       learner_step_delays_s=delays, late_learners=late_learners, syncer=syncer, sync=sync, merge=merge_settings,
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
+      profile_steps=profile_steps, compilation_cache_dir=compilation_cache_dir,
       learner_batch_size=learner_batch_size)

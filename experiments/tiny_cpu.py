@@ -65,6 +65,13 @@ def get_config() -> ml_collections.ConfigDict:
   # auto: resume from the newest checkpoint in checkpoint.dir if any | latest: resume, fail if
   # there is none | none: start afresh (checkpoint.dir must hold none) | PATH: that checkpoint.
   config.restore = "auto"
+  # jax.profiler trace of learner 0's steps first..last (0-based, inclusive) into workdir/profile
+  # (TensorBoard's profile plugin or Perfetto read it); () = no trace. E.g. (10, 12).
+  config.profile_steps = ()
+  # Persistent JAX compilation cache, so that a restarted or resumed run (or a rejoining learner
+  # after a restart of the process) loads its compiled programs instead of compiling them again.
+  # "" = workdir/jax_cache; "none" = the run sets none; or any directory.
+  config.compilation_cache_dir = ""
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use

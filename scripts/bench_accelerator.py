@@ -28,8 +28,13 @@ import pathlib
 import subprocess
 import sys
 import time
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# Neither imports JAX.
+from decoupled_diloco.lm import flops as flops_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from decoupled_diloco.runtime import throughput as throughput_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Model and data shapes. 201.6M: the H100 configuration of issue 15. 34m: the CPU host-memory
 # check of issue 15 (33.7M parameters). small: experiments/tiny_cpu.py's model.
@@ -52,19 +57,12 @@ IDENTITY = {"outer.name": "sgd", "outer.learning_rate": 1.0, "outer.momentum": 0
 RUNS = {"dp": {"mode": "dp"}, "decoupled_identity": {"mode": "decoupled", **IDENTITY},
         "decoupled": {"mode": "decoupled"}}
 
-# Dense bf16 peak FLOP/s by device kind (vendor data sheets, without sparsity); CPU: none.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v5p": 459e12,
-              "TPU v6e": 918e12, "TPU v5 lite": 197e12, "TPU v4": 275e12}
-
-
 def flops_per_token(size: dict) -> float:
-  """Training FLOPs per token: 6 N (every matmul, the tied logits included) plus attention's
-  12 L s (h k) (scores and values, forward and backward, causal mask not discounted)."""
-  d, layers = size["model.embed_dim"], size["model.num_layers"]
-  hk, f, seq = size["model.num_heads"] * size["model.head_dim"], size["model.mlp_dim"], size[
-      "data.seq_len"]
-  matmul_params = 256 * d + layers * (4 * d * hk + 3 * d * f)
-  return 6 * matmul_params + 12 * layers * seq * hk
+  """Training FLOPs per token, counted as the runtime counts them (lm/flops.py)."""
+  shape = types.SimpleNamespace(vocab_size=256, **{
+      k.split(".")[1]: size[k] for k in ("model.embed_dim", "model.num_layers",
+                                         "model.num_heads", "model.head_dim", "model.mlp_dim")})
+  return flops_lib.model_flops_per_token(shape, size["data.seq_len"])
 
 
 def num_params(size: dict) -> int:
@@ -74,7 +72,8 @@ def num_params(size: dict) -> int:
 
 
 def _peak(device_kind: str) -> float | None:
-  return next((v for k, v in PEAK_FLOPS.items() if k.lower() in device_kind.lower()), None)
+  """Dense bf16 peak of the chip, from the runtime's table (runtime/throughput.py)."""
+  return throughput_lib.peak_flops_per_s(device_kind)
 
 
 def _probe() -> dict:

@@ -68,6 +68,9 @@ def tiny_settings(workdir, **overrides):
   config.sync.overlap = 1
   config.inner.warmup_steps = 4
   config.checkpoint.every_steps = 0  # the tests about checkpoints turn them on
+  # The session's compilation cache (pytest_configure) serves every test; a run's own
+  # workdir/jax_cache would start cold in each test's workdir.
+  config.compilation_cache_dir = "none"
   config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
   return settings.validate(config)
 

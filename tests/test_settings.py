@@ -156,6 +156,8 @@ def test_every_config_field_lands_at_its_dotted_path():
       "learner_mesh_shapes": ((2, 1),) * 4,  # one entry stands for every learner
       "learner_step_delays_s": (0.0,) * 4,  # empty = no delay
       "checkpoint.dir": os.path.join(config.workdir, "checkpoints"),  # "" = under the workdir
+      "profile_steps": None,  # () = no trace
+      "compilation_cache_dir": os.path.join(config.workdir, "jax_cache"),  # "" = under the workdir
   }
   assert set(settings.config_fields()) == set(_flat(config))
   for field in settings.config_fields():

@@ -55,6 +55,7 @@ from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import profiling
 
 
 _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
@@ -111,6 +112,10 @@ class LearnerOptions:
   log_every: int
   # Lock-step only: give up waiting for a merge after this long (config.stall_timeout_s).
   wait_timeout_s: float
+  # (first, last) steps to trace with jax.profiler into profile_dir (config.profile_steps; learner
+  # 0 only); None = no trace.
+  profile_steps: tuple[int, int] | None
+  profile_dir: str
 
 
 class Learner:
@@ -207,6 +212,8 @@ class Learner:
     # taken by any merge): the compute the paper's overwrite discards.
     self.discarded_fragment_steps = 0
     self._data_state = self._data_position()  # the loader's position after step self.step
+    self._trace = (profiling.StepTrace(*options.profile_steps, options.profile_dir)
+                   if options.profile_steps else None)
     self._published: messages.Publication = self._publication(self._state)
     self._thread = threading.Thread(target=self._run, name=f"learner-{index}", daemon=True)
 
@@ -365,6 +372,8 @@ class Learner:
       self.error = err
       logging.error("learner %d failed at step %d: %s", self.index, self.step, error)
     finally:
+      if self._trace is not None:
+        self._trace.close()  # stopped or failed inside the window
       self.finished_training.set()
       if self._syncer is not None:
         self._syncer.post(messages.LearnerExit(self.index, self.step, error, self.incarnation))
@@ -381,6 +390,8 @@ class Learner:
     while self.step < opts.num_steps and not self._stop.is_set():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
+      if self._trace is not None:
+        self._trace.before_step(self.step)
       self._apply_arrived()
       current = self._state  # after step self.step, merges applied (its step may still run)
       batch = next(self._batches)
@@ -402,6 +413,8 @@ class Learner:
       # behind) went out with the position before this step's batch.
       self._data_state = self._data_position()
       in_flight = (self.step, tokens, step_metrics)
+      if self._trace is not None:
+        self._trace.after_step(self.step, self._state)
       if opts.step_delay_s:
         time.sleep(opts.step_delay_s)
       if opts.lock_step:

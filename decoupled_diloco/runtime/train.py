@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
@@ -32,6 +33,7 @@ from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import evaluate
+from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import tokenizers
@@ -47,6 +49,7 @@ from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.runtime import syncer_keeper as keeper_lib
+from decoupled_diloco.runtime import throughput as throughput_lib
 
 
 @dataclasses.dataclass
@@ -81,6 +84,9 @@ class Run:
   # The tokenizer's name, bad records skipped by reason, and the eval targets' tokens and UTF-8
   # bytes (for bits per byte).
   data_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # (start, end), time.monotonic(), of each evaluation: learner steps that overlap one are left
+  # out of tokens/s and MFU (runtime/throughput.py).
+  eval_windows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 class Interrupted(Exception):
@@ -128,6 +134,7 @@ def build(settings: settings_lib.RunSettings, *,
   start = time.perf_counter()
   # Before anything touches JAX (reading a checkpoint back does): the device count is fixed then.
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
+  _use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
   saver, restored = _open_checkpoints(settings)
   history = job_state.empty_history(settings.num_learners)
   if restored is not None:
@@ -231,6 +238,8 @@ def build(settings: settings_lib.RunSettings, *,
         step_delay_s=settings.learner_step_delays_s[index],
         log_every=settings.log_every,
         wait_timeout_s=settings.stall_timeout_s,
+        profile_steps=settings.profile_steps if index == 0 else None,
+        profile_dir=os.path.join(settings.workdir, "profile"),
     )
     cut = learner_cuts.get(index)
     learner = learner_lib.Learner(
@@ -332,6 +341,22 @@ def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[st
     logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
                  "step %d and the syncer's Theta", m, peer.index, peer.step)
   return cuts
+
+
+def _use_compilation_cache(directory: str | None) -> None:
+  """Compiled programs go to (and come from) `directory`; None leaves JAX's settings alone.
+
+  The cache is process-global, and JAX opens it once, at the first compile after its directory
+  is set: a run in a process that used another directory before (tests) resets it. Every program
+  is cached, not only those that compiled for over a second (JAX's default): a learner's step
+  on a small model compiles in less, and a restart pays for all of them together.
+  """
+  if directory is None:
+    return
+  if jax.config.jax_compilation_cache_dir != directory:
+    compilation_cache.set_cache_dir(directory)
+    compilation_cache.reset_cache()
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _chain_hooks(*hooks):
@@ -722,9 +747,10 @@ def train_and_evaluate(settings: settings_lib.RunSettings) -> dict[str, Any]:
 
 
 def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
-  started = time.perf_counter()
+  started, started_at = time.perf_counter(), time.monotonic()
   loss = run.evaluator(global_params(run))
   bpb = _bits_per_byte(run, loss)
+  run.eval_windows.append((started_at, time.monotonic()))
   record = {"step": clock, "eval_loss": loss, "eval_bits_per_byte": bpb, "final": final,
             "seconds": time.perf_counter() - started}
   run.metrics.write("eval", record, step=clock,
@@ -749,6 +775,11 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
       f"{tokens_per_step / np.mean(l.step_times[-settings.log_every:]) / 1e3:.1f}k"
       if l.step_times else "-" for l in run.learners)
   line = f"step {clock}/{settings.num_steps} | loss {losses} | tokens/s {rates}"
+  recent = _throughput(run, run.learners, last=settings.log_every)
+  if recent.tokens_per_s_per_device is not None:
+    line += f" | tok/s/dev {recent.tokens_per_s_per_device:,.0f}"
+  if recent.mfu is not None:
+    line += f" | mfu {100 * recent.mfu:.1f}%"
   if run.syncer is not None:
     stats = run.syncer.stats
     line += (f" | merges {stats.merges} | MB to/from syncer "
@@ -756,6 +787,28 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
   if evals:
     line += f" | eval {evals[-1]['eval_loss']:.3f}"
   logging.info(line)
+
+
+def _throughput(run: Run, learners, last: int | None = None) -> throughput_lib.Throughput:
+  """Of the learners' steps (each one's `last` ones; all by default), those that overlapped no
+  evaluation: tokens over step seconds x devices, and MFU (runtime/throughput.py)."""
+  settings = run.settings
+  tokens = device_seconds = 0.0
+  for learner in learners:
+    # A learner thread may append a step between the two reads: pair them from the start.
+    done = min(len(learner.step_ends), len(learner.step_times))
+    first = max(done - last, 0) if last is not None else 0
+    ends, times = learner.step_ends[first:done], learner.step_times[first:done]
+    count, seconds = throughput_lib.steps_outside(ends, times, run.eval_windows)
+    tokens += count * settings.learner_batch_size * settings.data.seq_len
+    device_seconds += seconds * len(learner.mesh_devices)
+  return throughput_lib.throughput(
+      tokens, device_seconds, flops_lib.model_flops_per_token(settings.model, settings.data.seq_len),
+      throughput_lib.peak_flops_per_s(_device_kind(run)))
+
+
+def _device_kind(run: Run) -> str:
+  return run.learners[0].mesh_devices[0].device_kind
 
 
 def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict[str, Any]:
@@ -829,6 +882,14 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
           for m in range(len(learners))],
       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       "device_peak_bytes": _device_peak_bytes(run),
+      # Throughput of this process's learner steps, every incarnation's, outside evaluations
+      # (runtime/throughput.py says which time counts); mfu is null where the chip's peak is
+      # not known (CPU).
+      "device_kind": _device_kind(run),
+      "model_flops_per_token": flops_lib.model_flops_per_token(run.settings.model,
+                                                               run.settings.data.seq_len),
+      "peak_flops_per_s_per_device": throughput_lib.peak_flops_per_s(_device_kind(run)),
+      **dataclasses.asdict(_throughput(run, incarnations)),
   }
   if syncer is not None:
     summary.update(_fault_summary(run, tape, incarnations, steps_made, tokens_per_step))

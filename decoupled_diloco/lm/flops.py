@@ -1,0 +1,53 @@
+"""Model FLOPs per trained token, counted from the model config (for tokens/s -> FLOP/s -> MFU).
+
+The usual analytic count (Kaplan et al. 2020, arXiv 2001.08361 §2.1; PaLM, arXiv 2204.02311
+appendix B), spelled out for this decoder (model.py):
+
+  flops/token = 6 N_matmul + 12 L s H K
+
+- N_matmul = L (4 d H K + 3 d F) + V d: the weights that multiply activations. Per block the
+  q, k, v and o projections (d x H K each) and the gated MLP's gate, up and down (d x F each);
+  outside the blocks the unembedding, the tied embedding read as V x d logits. The input lookup
+  of that same matrix is a gather (no FLOPs), and the RMSNorm gains are elementwise: neither is
+  counted. Each weight costs 2 FLOPs per token forward (a multiply-add) and 4 backward (the
+  gradients of its input and of itself): 6 per trained token.
+- 12 L s H K: attention's two matmuls, scores Q K^T and the weighted sum of V, each 2 s H K FLOPs
+  per token per layer forward, three times that with the backward pass. s is the trained
+  sequence length (`data.seq_len`); the causal mask is not discounted (PaLM's convention: XLA
+  computes the masked half too).
+
+Softmax, norms, activations, rotary embeddings and the optimizer update are not counted: model
+FLOPs are the matmuls the model needs, whatever the implementation, so MFU compares across
+runtimes and hardware. No JAX here, so a script that must not start JAX can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class _ModelShape(Protocol):
+  """The fields of model.ModelConfig the count reads."""
+
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+
+
+def matmul_params(cfg: _ModelShape) -> int:
+  """N_matmul: weights that multiply activations (blocks' projections and the unembedding)."""
+  d, hk, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.mlp_dim
+  return cfg.num_layers * (4 * d * hk + 3 * d * f) + cfg.vocab_size * d
+
+
+def attention_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """12 L s H K: scores and weighted values, forward and backward."""
+  return 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+
+
+def model_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """Training FLOPs per token: 6 N_matmul + 12 L s H K (see the module docstring)."""
+  return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)

@@ -1,0 +1,50 @@
+"""The persistent compilation cache (config.compilation_cache_dir): where it goes, and that a run
+points JAX's process-global cache at it before compiling."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from conftest import tiny_settings
+from decoupled_diloco.runtime import train
+
+
+@pytest.fixture
+def session_cache():
+  """Gives the test session's cache (conftest.pytest_configure) back afterwards."""
+  before = jax.config.jax_compilation_cache_dir
+  yield before
+  compilation_cache.set_cache_dir(before)
+  compilation_cache.reset_cache()
+
+
+def test_the_cache_defaults_to_the_workdir_and_none_turns_it_off(tmp_path):
+  assert tiny_settings(tmp_path, compilation_cache_dir="").compilation_cache_dir == os.path.join(
+      str(tmp_path), "jax_cache")
+  assert tiny_settings(tmp_path, compilation_cache_dir="none").compilation_cache_dir is None
+  assert tiny_settings(tmp_path, compilation_cache_dir=str(tmp_path / "c")).compilation_cache_dir \
+      == str(tmp_path / "c")
+
+
+def test_a_cache_dir_that_cannot_be_created_is_refused_naming_the_field(tmp_path):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match=r"config\.compilation_cache_dir=.*is a file"):
+    tiny_settings(tmp_path, compilation_cache_dir=str(tmp_path / "file" / "cache"))
+
+
+def test_programs_compiled_after_the_run_sets_its_cache_are_written_there(tmp_path, session_cache):
+  # Another directory was in use in this process (the session's): JAX opened its cache there at
+  # the first compile, and the run's must replace it, not be ignored.
+  assert session_cache
+  jax.jit(lambda x: x + 2).lower(jnp.arange(5.0)).compile()  # JAX opens the session's cache
+  train._use_compilation_cache(str(tmp_path / "cache"))  # pylint: disable=protected-access
+  jax.jit(lambda x: x * 3 + 1).lower(jnp.arange(7.0)).compile()
+  assert os.listdir(tmp_path / "cache")
+
+
+def test_none_leaves_the_process_cache_alone(session_cache):
+  train._use_compilation_cache(None)  # pylint: disable=protected-access
+  assert jax.config.jax_compilation_cache_dir == session_cache
