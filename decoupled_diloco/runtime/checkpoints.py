@@ -24,6 +24,7 @@ and the log and `RestoredCheckpoint.skipped` say which and why.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import dataclasses
 import json
@@ -38,6 +39,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.lm import model as model_lib
 
 # Fields a resumed run may change: where and how often it writes, what it injects, how long it
 # runs, how it reports, how fast it gives up on a silent learner. Every other field must equal the
@@ -125,7 +127,8 @@ def _crc(tree: Any) -> dict[str, int]:
 class Checkpoints:
   """The run's checkpoint directory: job cuts under `job/`, the syncer's own under `syncer/`."""
 
-  def __init__(self, directory: str, keep: int, fingerprint_: dict[str, str]):
+  def __init__(self, directory: str, keep: int | None, fingerprint_: dict[str, str]):
+    # keep: newest checkpoints of each kind kept at a save; None keeps all (a reader's).
     # orbax takes absolute paths only (a relative one fails in its background writer).
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self._fingerprint = fingerprint_
@@ -342,3 +345,64 @@ def locate(restore: str, directory: str) -> tuple[str, int | None]:
   if os.path.basename(path) == _JOB:
     return os.path.dirname(path), None
   return path, None
+
+
+# ---- the model alone, outside a run ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SavedModel:
+  """The global model of a job checkpoint, for sampling or evaluating outside a run."""
+
+  path: str
+  clock: int  # the checkpoint's number: steps of the fastest learner
+  fingerprint: dict[str, str]  # the experiment's config fields (see `fingerprint`)
+  model_cfg: model_lib.ModelConfig
+  params: dict[str, np.ndarray]  # native layout, host arrays
+  source: str  # "syncer" (Theta, the global model) | "learner 0" (dp mode: the one model)
+
+  def config_value(self, name: str) -> Any:
+    """The value of config field `name` (dotted) in the run that wrote the checkpoint."""
+    return ast.literal_eval(self.fingerprint[name])
+
+
+def read_model(directory: str, number: int | None = None) -> SavedModel:
+  """The global model of the newest job checkpoint in `directory` that reads back whole (or of
+  checkpoint `number`): the syncer's Theta, or in dp mode the learner's parameters.
+
+  The model's shape comes from the checkpoint's own fingerprint, so no config is needed; a damaged
+  checkpoint is skipped as at resume. Raises CheckpointError when there is none.
+  """
+  directory = directory if "://" in directory else os.path.abspath(directory)
+  if "://" not in directory and not os.path.isdir(os.path.join(directory, _JOB)):
+    raise CheckpointError(f"{directory} holds no job checkpoint ({_JOB}/ is missing): the run "
+                          "wrote none (config.checkpoint.every_steps=0?) or it is elsewhere "
+                          "(config.checkpoint.dir)")
+  probe = Checkpoints(directory, keep=None, fingerprint_={})
+  numbers = [number] if number is not None else list(reversed(probe.steps(_JOB)))
+  metas = (probe._read_meta(_JOB, n) for n in numbers)  # pylint: disable=protected-access
+  meta = next((m for m in metas if m is not None), None)
+  probe.close()
+  if meta is None:
+    raise CheckpointError(f"no job checkpoint in {directory} has a readable meta item "
+                          f"(numbers tried: {numbers})")
+  store = Checkpoints(directory, keep=None, fingerprint_=meta["fingerprint"])
+  try:
+    restored = store.restore_job(number)
+  finally:
+    store.close()
+  if restored is None:
+    raise CheckpointError(f"no job checkpoint in {directory}")
+  fields = {name[len("model."):]: ast.literal_eval(value)
+            for name, value in meta["fingerprint"].items() if name.startswith("model.")}
+  model_cfg = model_lib.ModelConfig(**fields)
+  cut = restored.cut
+  if cut.syncer is not None:
+    names, theta = cut.syncer["json"]["model"]["names"], cut.syncer["arrays"]["theta"]
+    flat = {n: np.asarray(theta[f"{i:04d}"]) for i, n in enumerate(names)}
+    params, source = model_lib.param_layout(model_cfg).to_native(flat), "syncer"
+  else:
+    learner = min(cut.learners, key=lambda l: l.index)
+    params = {n: np.asarray(v) for n, v in learner.params.items()}
+    source = f"learner {learner.index}"
+  return SavedModel(restored.path, cut.clock, meta["fingerprint"], model_cfg, params, source)
