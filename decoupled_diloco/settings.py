@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import tempfile
 import typing
@@ -171,7 +172,8 @@ class RunSettings:
   max_restarts: int  # per learner; a learner that fails once more stays down
   devices: DevicesSettings
   num_learners: int  # learners that train (1 in dp mode)
-  learner_mesh_shapes: tuple[tuple[int, int], ...]  # (data, model) per learner
+  # (data, model) or (data, fsdp, model) per learner, as written in the config.
+  learner_mesh_shapes: tuple[tuple[int, ...], ...]
   learner_step_delays_s: tuple[float, ...]  # per learner
   late_learners: tuple[int, ...]  # held back at start; each joins at its join@ event
   syncer: SyncerSettings
@@ -198,7 +200,7 @@ class RunSettings:
 
   @property
   def learner_devices(self) -> int:
-    return sum(d * m for d, m in self.learner_mesh_shapes)
+    return sum(math.prod(shape) for shape in self.learner_mesh_shapes)
 
 
 def _section_type(hint) -> type | None:
@@ -350,18 +352,19 @@ def _workdir(config) -> str:
   return workdir
 
 
-def _mesh_shapes(config, num_learners: int) -> tuple[tuple[int, int], ...]:
+def _mesh_shapes(config, num_learners: int) -> tuple[tuple[int, ...], ...]:
   shapes = _get(config, "learner_mesh_shapes")
   if not isinstance(shapes, (list, tuple)) or len(shapes) not in (1, num_learners):
     _fail("learner_mesh_shapes", shapes,
-          f"must hold one (data, model) pair for all learners or one per learner "
-          f"(num_learners={num_learners})")
+          f"must hold one (data, model) or (data, fsdp, model) shape for all learners or one per "
+          f"learner (num_learners={num_learners})")
   parsed = []
   for shape in shapes:
-    if (not isinstance(shape, (list, tuple)) or len(shape) != 2 or
+    if (not isinstance(shape, (list, tuple)) or len(shape) not in (2, 3) or
         not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)):
-      _fail("learner_mesh_shapes", shapes, "each entry must be a (data, model) pair of ints >= 1")
-    parsed.append((int(shape[0]), int(shape[1])))
+      _fail("learner_mesh_shapes", shapes,
+            "each entry must be a (data, model) pair or a (data, fsdp, model) triple of ints >= 1")
+    parsed.append(tuple(int(v) for v in shape))
   if len(parsed) == 1:
     parsed = parsed * num_learners
   return tuple(parsed)
@@ -649,19 +652,29 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   learner_batch_size = batch_size
   if mode == "dp":
     # One synchronous learner over every learner device, consuming what all M learners would.
-    model_axis = mesh_shapes[0][1]
-    total = sum(d * m for d, m in mesh_shapes)
-    mesh_shapes = ((total // model_axis, model_axis),)
+    # The first learner's fsdp and model axes; data takes the rest.
+    *_, model_axis = mesh_shapes[0]
+    fsdp_axis = mesh_shapes[0][1] if len(mesh_shapes[0]) == 3 else 1
+    total = sum(math.prod(shape) for shape in mesh_shapes)
+    data_axis = total // (fsdp_axis * model_axis)
+    mesh_shapes = (((data_axis, fsdp_axis, model_axis) if len(mesh_shapes[0]) == 3
+                    else (data_axis, model_axis)),)
     learner_batch_size *= num_learners
     delays = (0.0,)
     num_learners, sync = 1, None
     syncer = dataclasses.replace(syncer, num_devices=0)
 
-  for index, (data_axis, _) in enumerate(mesh_shapes):
-    if learner_batch_size % data_axis:
+  for index, shape in enumerate(mesh_shapes):
+    # The batch is split over data x fsdp (model.py's "batch" rule).
+    batch_shards = math.prod(shape[:-1])
+    if learner_batch_size % batch_shards:
       _fail("data.batch_size", batch_size,
             f"the batch of learner {index} ({learner_batch_size} sequences) must divide evenly "
-            f"over its data axis of {data_axis} devices (config.learner_mesh_shapes)")
+            f"over its data x fsdp axes of {batch_shards} devices (config.learner_mesh_shapes)")
+    if len(shape) == 3 and model_cfg.embed_dim % shape[1]:
+      _fail("model.embed_dim", model_cfg.embed_dim,
+            f"must be divisible by the fsdp axis of learner {index} ({shape[1]}; "
+            "config.learner_mesh_shapes): fsdp splits every weight along it")
 
   if sync is not None:
     # Partitioning needs only shapes: a P above the model's tensor count fails here, not later.

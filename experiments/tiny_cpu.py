@@ -80,7 +80,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.devices.num_fake_cpu_devices = 9
 
   config.num_learners = 4  # M
-  # (data, model) mesh shape of each learner: one entry for all learners, or one per learner.
+  # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or
+  # (data, fsdp, model) to shard weights and optimizer state over fsdp (a learner bigger than a
+  # chip); the batch is split over data x fsdp.
   config.learner_mesh_shapes = ((2, 1),)
   # Extra seconds each learner sleeps per step (one entry per learner, or empty): emulates slower
   # hardware for heterogeneity studies. Empty = all learners run at the speed of their mesh.
@@ -169,6 +171,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.mlp_dim = 256
   config.model.max_seq_len = 128
   config.model.dtype = "float32"  # activations; bfloat16 on TPU
+  # float32 | bfloat16: the learners' weights, gradients and AdamW moments (the syncer's Theta and
+  # outer state stay float32).
+  config.model.param_dtype = "float32"
   config.model.rope_base = 10_000.0
   config.model.mlp_activation = "gelu"  # gelu (GeGLU, as in Gemma) | silu (SwiGLU, as in LLaMA)
   # Stack each kind of layer tensor on a leading axis and scan the blocks: start-up then does not
@@ -177,6 +182,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.scan_layers = False
   # xla | cudnn (flash attention on NVIDIA GPUs: bfloat16 only, devices.platform=gpu).
   config.model.attention = "xla"
+  # Recompute block activations in the backward pass: none | full | a jax.checkpoint_policies name
+  # (dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, everything_saveable).
+  config.model.remat = "none"
 
   config.data = ml_collections.ConfigDict()
   # A text file; a directory or glob of .txt / .jsonl / .parquet files; or a directory of ArrayRecord

@@ -17,7 +17,7 @@ class Evaluator:
 
   Parameters are placed with the learner's own shardings (`model.param_shardings`), so a model that
   is tensor-parallel on its learner is tensor-parallel here too. Batches are split over the mesh's
-  data axis when their size allows, else every data replica evaluates the whole batch: every mode
+  data (x fsdp) axes when their size allows, else every data replica evaluates the whole batch: every mode
   then evaluates the very same sequences, whatever its mesh.
   """
 
@@ -33,7 +33,7 @@ class Evaluator:
     self._batches = list(batches)
     rows = self._batches[0]["inputs"].shape[0]
     self._eval = inner.make_eval_over_batches(graphdef, mesh, self._shardings,
-                                              batch_sharded=rows % mesh.shape["data"] == 0)
+                                              batch_sharded=rows % inner.batch_shards(mesh) == 0)
     # All batches as one [N, B, L] array: one program evaluates them all.
     self._stacked = {k: np.stack([b[k] for b in self._batches]) for k in self._batches[0]}
 
@@ -44,6 +44,10 @@ class Evaluator:
     self._eval = self._eval.lower(params, batches).compile()
 
   def __call__(self, params: Mapping[str, np.ndarray | jax.Array]) -> float:
-    placed = {n: jax.device_put(v, self._shardings[n]) for n, v in params.items()}
+    # In the learners' dtype: Theta is float32 on the syncer whatever config.model.param_dtype.
+    dtypes = model_lib.native_shapes(self._model_cfg)
+    placed = {n: jax.device_put(np.asarray(v, dtypes[n].dtype) if isinstance(v, np.ndarray)
+                                else v.astype(dtypes[n].dtype), self._shardings[n])
+              for n, v in params.items()}
     nats, tokens = self._eval(placed, self._stacked)
     return float(nats) / int(tokens)

@@ -8,6 +8,7 @@ shardings on that mesh, so a learner's program never touches another learner's d
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -137,8 +138,17 @@ def init_train_state(params: dict[str, jax.Array], tx: optax.GradientTransformat
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """[B, L] token batches: batch split over "data" (the "batch" logical rule), length whole."""
-  return NamedSharding(mesh, model.logical_to_mesh_spec(("batch", None)))
+  """[B, L] token batches: batch split over data x fsdp (the "batch" logical rule), length whole."""
+  return NamedSharding(mesh, model.logical_to_mesh_spec(("batch", None), mesh))
+
+
+def batch_shards(mesh: Mesh) -> int:
+  """How many ways the batch is split on `mesh`: a batch size must be a multiple of it."""
+  return math.prod(mesh.shape[axis] for axis in _as_tuple(batch_sharding(mesh).spec[0]))
+
+
+def _as_tuple(axes: Any) -> tuple[str, ...]:
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
@@ -152,13 +162,17 @@ def _mean_loss(graphdef: nnx.GraphDef, params: dict[str, jax.Array],
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh,
-                    state_shardings: TrainState
+                    state_shardings: TrainState, *, donate: bool = False
                     ) -> Callable[[TrainState, dict[str, Any]], tuple[TrainState, dict[str, jax.Array]]]:
   """Jitted (state, batch) -> (new_state, {"loss", "grad_norm"}) on `mesh`.
 
-  loss is the mean next-token cross-entropy in nats; grad_norm is measured before clipping. The
-  state is deliberately not donated: the runtime keeps the previous parameter arrays alive as
-  consistent snapshots for the syncer to pull.
+  loss is the mean next-token cross-entropy in nats; grad_norm is measured before clipping.
+
+  `donate`: the step writes the new state into the buffers of the old one, so a learner holds one
+  train state on its devices instead of two; the caller's state is deleted by the call. Whoever
+  must keep reading a state after the next step is dispatched (the learner's publication, for the
+  syncer's pulls) takes a copy first (`copy_tree`). The returned function says which it is in its
+  `donates_state` attribute.
   """
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]
@@ -170,11 +184,27 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
   replicated = _replicated(mesh)
-  return jax.jit(
+  step = jax.jit(
       train_step,
       in_shardings=(state_shardings, _batch_shardings(mesh)),
       out_shardings=(state_shardings, {"loss": replicated, "grad_norm": replicated}),
+      donate_argnums=(0,) if donate else (),
   )
+  step.donates_state = donate
+  return step
+
+
+def donates_state(train_step: Callable[..., Any]) -> bool:
+  """Whether `train_step` (from `make_train_step`, possibly wrapped) deletes the state it takes."""
+  return bool(getattr(train_step, "donates_state", False))
+
+
+@jax.jit
+def copy_tree(tree: Any) -> Any:
+  """A copy of every array of `tree` in new buffers, sharded alike: it outlives a donation of the
+  original. Queued on the devices like any program, so it reads the state before a step that is
+  dispatched after it overwrites it."""
+  return jax.tree.map(jnp.copy, tree)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
@@ -224,7 +254,8 @@ def make_eval_over_batches(graphdef: nnx.GraphDef, mesh: Mesh,
     return total, jnp.asarray(batches["targets"].size, jnp.int32)
 
   replicated = _replicated(mesh)
-  stacked = NamedSharding(mesh, P(None, "data", None) if batch_sharded else P())
+  batch_axes = batch_sharding(mesh).spec[0]
+  stacked = NamedSharding(mesh, P(None, batch_axes, None) if batch_sharded else P())
   return jax.jit(
       eval_all,
       in_shardings=(dict(param_shardings), {"inputs": stacked, "targets": stacked}),

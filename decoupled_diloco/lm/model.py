@@ -19,8 +19,12 @@ tensor "layers/attn/q_proj/kernel" holds "layers/<i>/attn/q_proj/kernel" at inde
 re-assembles the module inside the traced function, so it stays pure and jittable.
 
 Every parameter carries logical axis names (`nnx.with_partitioning`); `LOGICAL_AXIS_RULES` maps them to
-the ("data", "model") mesh of one learner: plain data parallelism replicates the weights, and the
-"model" axis splits vocab, heads and MLP hidden units (Megatron-style tensor parallelism).
+the ("data", "fsdp", "model") mesh of one learner. "data" replicates the weights (plain data
+parallelism); "fsdp" splits every weight and its optimizer state along the embedding axis while the
+batch is split over data x fsdp (fully sharded data parallelism, ZeRO-3: XLA gathers a weight where a
+matmul needs it and reduce-scatters its gradient); "model" splits vocab, heads and MLP hidden units
+(Megatron-style tensor parallelism). A mesh without one of those axes (fsdp or model of size 1 need
+not be named) simply leaves that split out.
 """
 
 from __future__ import annotations
@@ -37,14 +41,16 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Logical axis -> mesh axis. The mesh of a learner has axes ("data", "model").
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+# Logical axis -> mesh axis (or axes). The mesh of a learner has axes ("data", "fsdp", "model").
+# Every weight has an embed axis, so splitting it over "fsdp" shards all of them (norm scales
+# included) and, through `inner._opt_state_shardings`, their AdamW moments.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "model"),
     ("mlp", "model"),
     ("heads", "model"),
-    ("embed", None),
+    ("embed", "fsdp"),
     ("kv", None),
-    ("batch", "data"),
+    ("batch", ("data", "fsdp")),
 )
 
 # Flat name of the token embedding; the syncer merges it with a plain weighted average, not RDA.
@@ -53,6 +59,12 @@ EMBEDDING_NAME = "embedder/embedding"
 _LAYERS = "layers/"
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# config.model.remat: "none" keeps every activation for the backward pass; "full" keeps only each
+# block's input and recomputes the rest; the others are jax.checkpoint_policies of that name (what a
+# block keeps: "dots_saveable" its matmul outputs, "dots_with_no_batch_dims_saveable" those without
+# a batch dimension, i.e. almost none in a transformer block).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "nothing_saveable", "everything_saveable")
 _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
 # `implementation=` of jax.nn.dot_product_attention: "xla" runs anywhere; "cudnn" is cuDNN flash
 # attention on NVIDIA GPUs. With JAX 0.10.2 (cuDNN >= 8.9.4) flash attention takes float16/bfloat16
@@ -62,7 +74,8 @@ _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
 _ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 # Which config field sets the size of a sharded logical axis, for error messages.
-_AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads"}
+_AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads",
+               "embed": "embed_dim"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +90,10 @@ class ModelConfig:
   head_dim: int
   mlp_dim: int  # Hidden width of the gated MLP.
   max_seq_len: int  # Longest sequence `__call__` accepts.
-  dtype: str  # Activation dtype; parameters are always float32.
+  dtype: str  # Activation dtype.
+  # Parameter dtype (and so AdamW's moments and the gradients): "float32", or "bfloat16" to halve
+  # a learner's weights. The syncer keeps Theta and its outer state in float32 whatever this is.
+  param_dtype: str
   rope_base: float  # Rotary embedding wavelength base.
   # "gelu": GeGLU as in Gemma; "silu": SwiGLU as in LLaMA.
   mlp_activation: str
@@ -88,6 +104,8 @@ class ModelConfig:
   # into stacked buffers); deep models need it on, it bounds their start-up.
   scan_layers: bool
   attention: str  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
+  # Rematerialisation of each block in the backward pass: one of REMAT_POLICIES (see there).
+  remat: str
 
   def __post_init__(self):
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim",
@@ -99,8 +117,12 @@ class ModelConfig:
       raise ValueError(
           f"config.model.head_dim={self.head_dim} must be even: rotary embeddings rotate pairs"
       )
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"config.model.dtype={self.dtype!r} must be one of {sorted(_DTYPES)}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(
+            f"config.model.{name}={getattr(self, name)!r} must be one of {sorted(_DTYPES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"config.model.remat={self.remat!r} must be one of {list(REMAT_POLICIES)}")
     if (isinstance(self.rope_base, bool) or not isinstance(self.rope_base, (int, float))
         or not self.rope_base > 1.0):
       raise ValueError(f"config.model.rope_base={self.rope_base!r} must be a number > 1")
@@ -133,6 +155,10 @@ class ModelConfig:
   def activation_dtype(self) -> Any:
     return _DTYPES[self.dtype]
 
+  @property
+  def weight_dtype(self) -> Any:
+    return _DTYPES[self.param_dtype]
+
 
 # ----------------------------------------------------------------------------------------------
 # Modules.
@@ -150,7 +176,7 @@ class Embedder(nnx.Module):
     init = nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.embed_dim))
     self.embedding = nnx.Param(
         _partitioned(init, ("vocab", "embed"))(
-            rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.float32
+            rngs.params(), (cfg.vocab_size, cfg.embed_dim), cfg.weight_dtype
         )
     )
     self.embed_dim = cfg.embed_dim
@@ -177,7 +203,7 @@ class RMSNorm(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.scale = nnx.Param(
         _partitioned(nnx.initializers.zeros_init(), ("embed",))(
-            rngs.params(), (cfg.embed_dim,), jnp.float32
+            rngs.params(), (cfg.embed_dim,), cfg.weight_dtype
         )
     )
     self.eps = 1e-6
@@ -198,7 +224,7 @@ def _projection(eqn: str, shape: tuple[int, ...], axes: tuple[str | None, ...],
       1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
   )
   return nnx.Einsum(
-      eqn, shape, bias_shape=None, dtype=cfg.activation_dtype, param_dtype=jnp.float32,
+      eqn, shape, bias_shape=None, dtype=cfg.activation_dtype, param_dtype=cfg.weight_dtype,
       kernel_init=_partitioned(init, axes), rngs=rngs,
   )
 
@@ -287,13 +313,18 @@ class Transformer(nnx.Module):
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.max_seq_len = cfg.max_seq_len
+    self.remat = cfg.remat  # static: part of the graphdef, so `apply` reads it there
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     return self.forward(tokens_BxL, self._run_blocks)
 
   def _run_blocks(self, x_BxLxD: jax.Array) -> jax.Array:
     for block in self.layers:
-      x_BxLxD = block(x_BxLxD)
+      if self.remat == "none":
+        x_BxLxD = block(x_BxLxD)
+      else:
+        block_graph, block_state = nnx.split(block)
+        x_BxLxD = remat_block(block_graph, self.remat)(block_state, x_BxLxD)
     return x_BxLxD
 
   def forward(self, tokens_BxL: jax.Array,
@@ -309,6 +340,22 @@ class Transformer(nnx.Module):
     x_BxLxD = self.embedder.encode(tokens_BxL)
     x_BxLxD = run_blocks(x_BxLxD)
     return self.embedder.decode(self.final_norm(x_BxLxD))
+
+
+def remat_block(block_graph: nnx.GraphDef, remat: str
+                ) -> Callable[[nnx.State, jax.Array], jax.Array]:
+  """(block state, x) -> block(x), under `remat` (one of REMAT_POLICIES) for the backward pass.
+
+  A pure function of the block's state, so that jax.checkpoint sees the weights as inputs (saved,
+  never recomputed) and the same wrapper serves an unrolled loop and a scan body.
+  """
+  def run(block_state: nnx.State, x_BxLxD: jax.Array) -> jax.Array:
+    return nnx.merge(block_graph, block_state)(x_BxLxD)
+
+  if remat == "none":
+    return run
+  policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+  return jax.checkpoint(run, policy=policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,10 +407,26 @@ def _abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, tuple[tuple[str, Any, tup
   return graphdef, tuple(entries)
 
 
-def logical_to_mesh_spec(axes: tuple[str | None, ...]) -> P:
-  """Maps logical axis names to a PartitionSpec with `LOGICAL_AXIS_RULES`."""
+def logical_to_mesh_spec(axes: tuple[str | None, ...], mesh: Mesh | None = None) -> P:
+  """Maps logical axis names to a PartitionSpec with `LOGICAL_AXIS_RULES`.
+
+  With `mesh`, rules naming mesh axes it lacks drop them (a ("data", "model") mesh shards nothing
+  over "fsdp"), and a dimension mapped to no remaining axis is whole.
+  """
   rules = dict(LOGICAL_AXIS_RULES)
-  return P(*(rules.get(axis) if axis is not None else None for axis in axes))
+  spec = []
+  for axis in axes:
+    target = rules.get(axis) if axis is not None else None
+    if mesh is not None and target is not None:
+      kept = tuple(a for a in ((target,) if isinstance(target, str) else target)
+                   if a in mesh.axis_names)
+      target = None if not kept else kept[0] if len(kept) == 1 else kept
+    spec.append(target)
+  return P(*spec)
+
+
+def _mesh_size(mesh: Mesh, target: str | tuple[str, ...]) -> int:
+  return math.prod(mesh.shape[a] for a in ((target,) if isinstance(target, str) else target))
 
 
 def _is_layer(name: str) -> bool:
@@ -395,12 +458,12 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
   a stacked tensor is never split); keys as `init_params`."""
   shardings = {}
   for name, shape, axes in _native(cfg):
-    spec = logical_to_mesh_spec(axes)
+    spec = logical_to_mesh_spec(axes, mesh)
     for size, axis, mesh_axis in zip(shape.shape, axes, spec):
-      if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+      if mesh_axis is not None and size % _mesh_size(mesh, mesh_axis):
         raise ValueError(
             f"config.model.{_AXIS_FIELD.get(axis, axis)}={size} must be divisible by the "
-            f"'{mesh_axis}' mesh axis of size {mesh.shape[mesh_axis]} (parameter {name})"
+            f"'{mesh_axis}' mesh axis of size {_mesh_size(mesh, mesh_axis)} (parameter {name})"
         )
     shardings[name] = NamedSharding(mesh, spec)
   return shardings
@@ -591,9 +654,11 @@ def apply(graphdef: nnx.GraphDef | StackedGraph, params: dict[str, jax.Array],
   shell = nnx.merge(graphdef.shell, _state({n: v for n, v in params.items() if not _is_layer(n)}))
   stacked = _state({n[len(_LAYERS):]: v for n, v in params.items() if _is_layer(n)})
 
+  block = remat_block(graphdef.block, shell.remat)
+
   def run_blocks(x_BxLxD: jax.Array) -> jax.Array:
     def body(x_BxLxD, block_state):
-      return nnx.merge(graphdef.block, block_state)(x_BxLxD), None
+      return block(block_state, x_BxLxD), None
 
     x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked)
     return x_BxLxD

@@ -8,6 +8,7 @@ CPU devices.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -15,7 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-LEARNER_AXES = ("data", "model")
+# Every learner mesh has all three axes; a (data, model) shape has fsdp = 1 (see model.py's rules).
+LEARNER_AXES = ("data", "fsdp", "model")
 SYNCER_AXIS = "learner"
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -36,6 +38,14 @@ def request_fake_cpu_devices(count: int) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
 
 
+def learner_axes(shape: tuple[int, ...]) -> tuple[int, int, int]:
+  """(data, fsdp, model) of a config.learner_mesh_shapes entry, (data, model) or (data, fsdp,
+  model)."""
+  if len(shape) == 2:
+    return (shape[0], 1, shape[1])
+  return tuple(shape)
+
+
 def _backends_initialised() -> bool:
   # jax keeps its backends in xla_bridge; asking jax.devices() would initialise them.
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
@@ -43,11 +53,11 @@ def _backends_initialised() -> bool:
 
 
 def build_meshes(
-    learner_mesh_shapes: tuple[tuple[int, int], ...],
+    learner_mesh_shapes: tuple[tuple[int, ...], ...],
     syncer_devices: int,
     platform: str,
 ) -> tuple[list[Mesh], Mesh | None]:
-  """Partitions the devices into learner meshes (data, model) and a syncer mesh (learner,).
+  """Partitions the devices into learner meshes (data, fsdp, model) and a syncer mesh (learner,).
 
   Learners take consecutive devices of `platform` in order; the syncer takes the CPU devices that
   follow them (on a CPU-only run) or the first CPU devices (on TPU / GPU, where the host CPUs are
@@ -57,7 +67,7 @@ def build_meshes(
     devices = jax.devices(platform)
   except RuntimeError as err:
     raise ValueError(f"config.devices.platform={platform!r}: no such devices here ({err})") from err
-  needed = sum(d * m for d, m in learner_mesh_shapes)
+  needed = sum(math.prod(shape) for shape in learner_mesh_shapes)
   cpu_shared = platform == "cpu"
   total_needed = needed + (syncer_devices if cpu_shared else 0)
   if total_needed > len(devices):
@@ -67,10 +77,11 @@ def build_meshes(
         f"exist; raise config.devices.num_fake_cpu_devices or shrink the meshes")
   learner_meshes = []
   start = 0
-  for data_axis, model_axis in learner_mesh_shapes:
-    chunk = devices[start:start + data_axis * model_axis]
-    learner_meshes.append(Mesh(np.array(chunk).reshape(data_axis, model_axis), LEARNER_AXES))
-    start += data_axis * model_axis
+  for shape in learner_mesh_shapes:
+    axes = learner_axes(shape)
+    chunk = devices[start:start + math.prod(axes)]
+    learner_meshes.append(Mesh(np.array(chunk).reshape(axes), LEARNER_AXES))
+    start += math.prod(axes)
   syncer_mesh = None
   if syncer_devices:
     if cpu_shared:
