@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from decoupled_diloco.lm import inner
 from decoupled_diloco.runtime import chaos
 from decoupled_diloco.runtime import network as network_lib
 
@@ -159,6 +160,7 @@ class FaultInjector:
         new_state = new_state._replace(params=jax.tree.map(_with_nan, new_state.params))
       return new_state, step_metrics
 
+    step.donates_state = inner.donates_state(train_step)  # the learner copies what it publishes
     return step
 
   def step_hook(self, learner: int, step: int) -> None:

@@ -30,7 +30,16 @@ offered; the syncer's robust merge rejects it.
 Memory beyond a data-parallel learner: the host copies of its anchors (4 bytes per parameter), and
 on its devices the fragments of the offers the syncer took and has not merged yet (the last one per
 fragment; in the steady state the tau-or-so fragments in flight, at worst one copy of the
-parameters). Publishing costs nothing: it references the state the next step reads anyway.
+parameters), and the publication's copy of the parameters.
+
+Donation (`inner.make_train_step(donate=True)`): the step writes the new state over the one it
+takes, so the state a publication refers to would be gone once the next step is dispatched. While
+it steps, the learner therefore publishes a device copy, made before that dispatch, of what the
+syncer's pulls read: the parameters (one copy, against the whole second train state a step without
+donation holds). The optimizer state is copied only while someone asked for it
+(`want_full_state`: a checkpoint's cut, a peer's rejoin); between those requests a publication's
+`opt_state` is None. Outside its step loop (before the first step, after the last, when stopped)
+nothing is donated and a publication refers to the state itself.
 """
 
 from __future__ import annotations
@@ -146,6 +155,10 @@ class Learner:
     self._like = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     self._train_step = train_step
+    self._donates = inner.donates_state(train_step)
+    self._stepping = False  # inside the step loop: a state is donated by the next dispatch
+    self._full_until = 0.0  # time.monotonic() until which publications carry the optimizer state
+    self._copied: tuple[inner.TrainState, inner.TrainState] | None = None  # (state, its copy)
     self._shardings = param_shardings  # of the native parameters
     # Fragments and merges name flat tensors (one per layer tensor); the layout finds them in the
     # native parameters, which may stack the layers.
@@ -242,6 +255,24 @@ class Learner:
   def deliver(self, broadcast: messages.Broadcast) -> None:
     """A merged Theta_p arrives: applied at the next step boundary."""
     self._inbox.put(broadcast)
+
+  def want_full_state(self, seconds: float) -> None:
+    """For the next `seconds`, publications carry the optimizer state and step too (a copy, with
+    donation); the publications already made are unchanged."""
+    self._full_until = max(self._full_until, time.monotonic() + seconds)
+
+  def full_publication(self, timeout_s: float) -> messages.Publication | None:
+    """The latest publication once it carries the optimizer state (asking for it), or None if
+    none does within `timeout_s` (a learner that died meanwhile)."""
+    self.want_full_state(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+      published = self._published
+      if published.opt_state is not None:
+        return published
+      if time.monotonic() > deadline or self.error is not None:
+        return None
+      time.sleep(0.005)
 
   def stop(self) -> None:
     """Stops at the next step boundary (a crash or a planned stop: nothing else waits for it)."""
@@ -387,6 +418,9 @@ class Learner:
       self._wait_for_due_merges()
     last_done = time.perf_counter()
     self.train_started_at = time.monotonic()
+    self._stepping = True
+    # From here a publication must not refer to a state the next dispatch donates: publish again.
+    self._publish(self._state)
     while self.step < opts.num_steps and not self._stop.is_set():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
@@ -396,6 +430,7 @@ class Learner:
       current = self._state  # after step self.step, merges applied (its step may still run)
       batch = next(self._batches)
       tokens = int(batch["targets"].size)
+      self._publishable(current)  # with donation: the copy to publish, before `current` is gone
       self._state, step_metrics = self._train_step(current, batch)
       # The previous step's loss is read after this one is dispatched, which keeps the devices
       # busy (nanodo's pattern); a step's time is the time between two completed steps. Once it
@@ -420,6 +455,7 @@ class Learner:
       if opts.lock_step:
         self._push_due_offers()
         self._wait_for_due_merges()
+    self._stepping = False  # the last state is never donated: publications refer to it
     if in_flight is not None:
       self._complete(in_flight, last_done, self._state)
 
@@ -452,7 +488,23 @@ class Learner:
                               f"learner_{self.index}/tokens_per_s": tokens_per_s})
     return now
 
+  def _publishable(self, state: inner.TrainState) -> inner.TrainState:
+    """What a publication of `state` may refer to: `state` itself, or while a donating step loop
+    runs, device copies of its parameters (and of the rest, while a full state is wanted), made
+    once per state. Call it before the dispatch that donates `state`."""
+    if not (self._donates and self._stepping):
+      return state
+    if self._copied is not None and self._copied[0] is state:
+      return self._copied[1]
+    if time.monotonic() < self._full_until:
+      copy = inner.copy_tree(state)
+    else:
+      copy = inner.TrainState(params=inner.copy_tree(state.params), opt_state=None, step=None)
+    self._copied = (state, copy)
+    return copy
+
   def _publication(self, state: inner.TrainState) -> messages.Publication:
+    state = self._publishable(state)
     return messages.Publication(
         step=self.step, params=dict(state.params), since=self._since.copy(),
         counter_steps=self._counter_steps.copy(), counter_tokens=self._counter_tokens.copy(),
@@ -488,6 +540,10 @@ class Learner:
     try:
       broadcast = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
     except queue.Empty:
+      if self._published.opt_state is None and time.monotonic() < self._full_until:
+        # Waiting at a lock-step barrier: the state is complete, and someone needs all of it.
+        self._copied = None
+        self._publish(self._state)
       return
     self._apply(broadcast)
     self._apply_arrived()

@@ -86,3 +86,6 @@ class PartitionedLink:
   def published(self) -> messages.Publication:
     # Read for checkpoints only, by the controller's side: not a message on this link.
     return self._link.published
+
+  def want_full_state(self, seconds: float) -> None:
+    self._link.want_full_state(seconds)  # for checkpoints too: not a message either

@@ -171,8 +171,7 @@ class Supervisor:
                     record["unmerged_fragment_steps"])
 
   def _healthy_peer(self, m: int) -> learner_lib.Learner | None:
-    peers = [l for l in self.learners if l.index != m and l.alive
-             and l.published.opt_state is not None]
+    peers = [l for l in self.learners if l.index != m and l.alive]
     return max(peers, key=lambda l: l.published.step, default=None)
 
   def holds_back(self, m: int) -> bool:
@@ -191,11 +190,14 @@ class Supervisor:
     layout = failed.layout
     params = layout.to_native(theta)
     peer = self._healthy_peer(m)
-    if peer is not None:
-      published = peer.published
+    # A donating learner publishes its optimizer state only when asked: at its next step.
+    recent = np.mean(peer.step_times[-10:]) if peer is not None and peer.step_times else 0.0
+    published = peer.full_publication(max(5.0, 10.0 * recent)) if peer is not None else None
+    if published is not None:
       step, opt_state, state_step = published.step, published.opt_state, published.state_step
       source = f"learner {peer.index}"
     else:
+      peer = None
       step = failed.step
       opt_state, state_step = self._init_opt_state(params), np.int32(step)
       source = "fresh optimizer state (no healthy peer)"

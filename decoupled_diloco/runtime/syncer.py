@@ -79,6 +79,9 @@ class LearnerLink(Protocol):
   def published(self) -> messages.Publication:  # only for checkpoints (request_cut)
     ...
 
+  def want_full_state(self, seconds: float) -> None:  # publications with the optimizer state
+    ...
+
 
 @dataclasses.dataclass
 class _Round:
@@ -463,6 +466,11 @@ class Syncer:
         self._cut.future.set_result(None)  # superseded
       message.asked_at = time.monotonic()
       self._cut = message
+      with self._lock:
+        live = sorted(self._live)
+      for m in live:
+        # A donating learner's publications carry its optimizer state only when asked.
+        self._learners[m].want_full_state(message.timeout_s)
       return
     if self._from_earlier_incarnation(message):
       return
@@ -801,7 +809,8 @@ class Syncer:
       with self._lock:
         live = sorted(self._live)
       publications = {m: self._learners[m].published for m in live}
-      if all(np.array_equal(pub.anchor_versions, versions) for pub in publications.values()):
+      if all(np.array_equal(pub.anchor_versions, versions) and pub.opt_state is not None
+             for pub in publications.values()):
         cut = SyncerCut(self.state(include_tape=request.include_tape), publications,
                         {m: self._incarnations.get(m, 0) for m in live}, self._clock)
     timed_out = time.monotonic() - request.asked_at > request.timeout_s

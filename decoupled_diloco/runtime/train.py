@@ -188,7 +188,7 @@ def build(settings: settings_lib.RunSettings, *,
       params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
     state = inner.init_train_state(params, tx, mesh, shardings)
     train_step = inner.make_train_step(
-        graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings))
+        graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings), donate=True)
     started = time.perf_counter()
     _compile(train_step, state, settings.learner_batch_size, data.seq_len)
     compile_seconds["train_compile_s"] += time.perf_counter() - started
@@ -203,7 +203,9 @@ def build(settings: settings_lib.RunSettings, *,
   def make_syncer() -> syncer_lib.Syncer:
     """A syncer at the initial Theta, compiled (at start-up, and again after a crash)."""
     made = syncer_lib.Syncer(
-        sync=sync, fragments=fragments, initial_params=layout.to_flat(initial), mesh=syncer_mesh,
+        sync=sync, fragments=fragments, mesh=syncer_mesh,
+        # Theta and the outer state are float32 whatever config.model.param_dtype.
+        initial_params={n: np.asarray(v, np.float32) for n, v in layout.to_flat(initial).items()},
         outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
                                             settings.outer.momentum),
         merge=settings.merge, compression=settings.compression,
@@ -287,7 +289,7 @@ def build(settings: settings_lib.RunSettings, *,
       """The dp step compiled again, as a restarted job compiles it (a new jit object)."""
       step = inner.make_train_step(
           graphdef, tx, learner_meshes[0],
-          inner.train_state_shardings(state0, learner_meshes[0], shardings0))
+          inner.train_state_shardings(state0, learner_meshes[0], shardings0), donate=True)
       _compile(step, state0, settings.learner_batch_size, data.seq_len)
       return injector.wrap_train_step(0, step) if injector is not None else step
 
@@ -370,10 +372,10 @@ def _chain_hooks(*hooks):
 
 
 def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
-  """Runs the step once on a throw-away batch so the learner starts with a compiled step."""
+  """Compiles the step ahead of time, so the learner starts with a compiled step (the jit's call
+  finds it). Lowered, not run: a run would consume the donated `state`."""
   zeros = np.zeros((batch_size, seq_len), np.int32)
-  _, step_metrics = train_step(state, {"inputs": zeros, "targets": zeros})
-  jax.block_until_ready(step_metrics)
+  train_step.lower(state, {"inputs": zeros, "targets": zeros}).compile()
 
 
 def global_params(run: Run) -> dict[str, Any]:
@@ -578,8 +580,9 @@ class _Checkpointer:
       future.set_result(None)  # the dp job is down: its state is lost, there is nothing to cut
       return future
     learner = run.learners[0]  # dp: a publication is a consistent state by itself
-    future.set_result(syncer_lib.SyncerCut(None, {0: learner.published},
-                                           {0: learner.incarnation}, learner.step))
+    published = learner.full_publication(timeout_s)  # one that holds the optimizer state
+    future.set_result(None if published is None else syncer_lib.SyncerCut(
+        None, {0: published}, {0: learner.incarnation}, learner.step))
     return future
 
   def _write(self, cut: syncer_lib.SyncerCut | None, train_seconds: float | None = None
