@@ -2,9 +2,10 @@
 
 The paper's quorum / grace experiment: learners on two TPU generations step about 18% apart, the
 syncer merges with K = 1 and an adaptive grace window so that no learner waits. One controller sees
-all chips; the first four meshes are the v6e slices (64 chips each, data=16 x model=4), the last four
-the v5p slices (32 chips each, data=8 x model=4). On a real multi-slice deployment, order
-`jax.devices()` so each learner's chips are one slice (the runtime takes consecutive devices).
+all chips; the first four meshes are the v6e slices (64 chips each, data=2 x fsdp=8 x model=4), the
+last four the v5p slices (32 chips each, data=1 x fsdp=8 x model=4). On a real multi-slice
+deployment, order `jax.devices()` so each learner's chips are one slice (the runtime takes
+consecutive devices).
 """
 
 import pathlib
@@ -18,7 +19,8 @@ def get_config():
   config = gemma_2b_v5p.get_config()
   config.workdir = "gs://YOUR_BUCKET/decoupled_diloco/hetero_v6e_v5p"
   config.num_learners = 8
-  config.learner_mesh_shapes = ((16, 4),) * 4 + ((8, 4),) * 4
+  # (data, fsdp, model): v6e chips hold 32 GB, so the weights are fully sharded on both kinds.
+  config.learner_mesh_shapes = ((2, 8, 4),) * 4 + ((1, 8, 4),) * 4
   config.data.batch_size = 32  # per learner; divides both data axes
   config.sync.quorum = 1
   config.sync.grace_gamma = 0.5

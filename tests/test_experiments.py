@@ -54,8 +54,8 @@ print(json.dumps({{"shapes": [list(m.devices.shape) for m in learner_meshes],
 
 
 @pytest.mark.parametrize("name,num_devices,shapes", [
-    ("gemma_2b_v5p.py", 8 * 64 + 1, [[16, 4]] * 8),
-    ("hetero_v6e_v5p.py", 4 * 64 + 4 * 32 + 1, [[16, 4]] * 4 + [[8, 4]] * 4),
+    ("gemma_2b_v5p.py", 8 * 64 + 1, [[2, 8, 4]] * 8),
+    ("hetero_v6e_v5p.py", 4 * 64 + 4 * 32 + 1, [[2, 8, 4]] * 4 + [[1, 8, 4]] * 4),
 ])
 def test_tpu_reference_config_builds_its_learner_meshes(name, num_devices, shapes):
   path = os.path.join(ROOT, "experiments", name)
@@ -65,7 +65,7 @@ def test_tpu_reference_config_builds_its_learner_meshes(name, num_devices, shape
                        env=env, capture_output=True, text=True, timeout=240, check=True)
   result = json.loads(out.stdout.strip().splitlines()[-1])
   assert result["shapes"] == shapes
-  assert result["axes"] == ["data", "model"]
+  assert result["axes"] == ["data", "fsdp", "model"]
   assert result["distinct"], "learner meshes must not share devices"
   assert result["syncer"] == 1
 
