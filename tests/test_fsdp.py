@@ -164,12 +164,17 @@ def test_pulls_and_checkpoint_state_survive_the_donating_fsdp_learner(tmp_path):
       seen["asker"].start()
 
   run = train.build(tiny_settings(tmp_path, num_learners=2, num_steps=8,
-                                  learner_mesh_shapes=((1, 2, 1),), model__remat="full"),
+                                  learner_mesh_shapes=((1, 2, 1),), model__remat="full",
+                                  model__param_dtype="bfloat16"),
                     step_hook=hook)
   assert run.learners[0]._donates
   summary = train.execute(run, progress=False)
   seen["asker"].join()
-  assert summary["learner_errors"] == [None, None]
+  assert summary["learner_errors"] == [None, None] and summary["merges"] > 0
+  for learner in run.learners:
+    # Float32 merges were applied in bfloat16: no second program for another dtype.
+    assert {v.dtype for v in learner.params().values()} == {np.dtype(jnp.bfloat16)}
+    assert learner._train_step._cache_size() == 1
   published = seen["published"]
   assert published.opt_state is None  # not asked for: only the parameters are copied
   for value in list(published.params.values()) + list(seen["flat"].values()):

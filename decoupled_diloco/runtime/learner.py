@@ -365,7 +365,9 @@ class Learner:
 
   def _restore(self, snapshot: LearnerSnapshot, like: inner.TrainState) -> None:
     shardings = jax.tree.map(lambda x: x.sharding, like)
-    self._state = jax.device_put(snapshot.train_state, shardings)
+    # In the state's own dtypes: a rejoiner's parameters are Theta, float32 whatever param_dtype.
+    host = jax.tree.map(lambda x, l: np.asarray(x, l.dtype), snapshot.train_state, like)
+    self._state = jax.device_put(host, shardings)
     if snapshot.data_state is not None:
       self._batches.set_state(snapshot.data_state)
     self.step = snapshot.step
@@ -582,7 +584,8 @@ class Learner:
         merged = jax.device_put(theta_global, self._flat_shardings[name])
       if self._options.alpha:
         merged = _mix(now, merged, self._options.alpha)
-      updates[name] = merged
+      # Theta is float32; bfloat16 weights (config.model.param_dtype) stay bfloat16.
+      updates[name] = merged.astype(now.dtype) if merged.dtype != now.dtype else merged
       anchors[name] = theta_global
     self._state = self._state._replace(params=self._layout.set(params, updates))
     self._anchors = anchors
