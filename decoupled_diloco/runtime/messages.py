@@ -79,7 +79,8 @@ class Publication:
   anchors: dict[str, np.ndarray]  # host copies of those Theta_p
   training: bool  # False once the learner made its last step
   # The rest of the train state at `step` (device arrays, never written): a rejoining learner
-  # starts from a healthy peer's AdamW moments and step count (spec §6).
+  # starts from a healthy peer's AdamW moments and step count (spec §6). None while a learner with
+  # a donating step trains and nobody asked for them (`Learner.want_full_state`).
   opt_state: Any = None
   state_step: Any = None
   # The data loader's position at `step` (grain iterator state): the next batch is the one after
