@@ -372,10 +372,16 @@ def _chain_hooks(*hooks):
 
 
 def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
-  """Compiles the step ahead of time, so the learner starts with a compiled step (the jit's call
-  finds it). Lowered, not run: a run would consume the donated `state`."""
+  """Runs the step once on a throw-away batch so the learner starts with a compiled step whose
+  first execution is behind it too (a first step several times longer than the next ones would
+  read as a missed heartbeat). A donating step takes a copy of `state`: at build only, two
+  states are on the devices at once."""
   zeros = np.zeros((batch_size, seq_len), np.int32)
-  train_step.lower(state, {"inputs": zeros, "targets": zeros}).compile()
+  if inner.donates_state(train_step):
+    # Placed with the very sharding objects of `state`, so the call files the same cache entry.
+    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+  _, step_metrics = train_step(state, {"inputs": zeros, "targets": zeros})
+  jax.block_until_ready(step_metrics)
 
 
 def global_params(run: Run) -> dict[str, Any]:
