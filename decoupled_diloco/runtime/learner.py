@@ -38,8 +38,8 @@ it steps, the learner therefore publishes a device copy, made before that dispat
 syncer's pulls read: the parameters (one copy, against the whole second train state a step without
 donation holds). The optimizer state is copied only while someone asked for it
 (`want_full_state`: a checkpoint's cut, a peer's rejoin); between those requests a publication's
-`opt_state` is None. Outside its step loop (before the first step, after the last, when stopped)
-nothing is donated and a publication refers to the state itself.
+`opt_state` is None. Once its step loop has ended (after the last step, or stopped) nothing is
+donated any more and a publication refers to the state itself.
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ class Learner:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     self._train_step = train_step
     self._donates = inner.donates_state(train_step)
-    self._stepping = False  # inside the step loop: a state is donated by the next dispatch
+    # Until its step loop ends, a state may be donated by a later dispatch: publications copy it.
+    # From the start: a restored learner's first publication already has steps to offer.
+    self._stepping = True
     self._full_until = 0.0  # time.monotonic() until which publications carry the optimizer state
     self._copied: tuple[inner.TrainState, inner.TrainState] | None = None  # (state, its copy)
     self._shardings = param_shardings  # of the native parameters
@@ -420,9 +422,6 @@ class Learner:
       self._wait_for_due_merges()
     last_done = time.perf_counter()
     self.train_started_at = time.monotonic()
-    self._stepping = True
-    # From here a publication must not refer to a state the next dispatch donates: publish again.
-    self._publish(self._state)
     while self.step < opts.num_steps and not self._stop.is_set():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
