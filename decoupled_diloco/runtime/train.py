@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental.compilation_cache import compilation_cache
@@ -374,12 +375,14 @@ def _chain_hooks(*hooks):
 def _compile(train_step, state, batch_size: int, seq_len: int) -> None:
   """Runs the step once on a throw-away batch so the learner starts with a compiled step whose
   first execution is behind it too (a first step several times longer than the next ones would
-  read as a missed heartbeat). A donating step takes a copy of `state`: at build only, two
-  states are on the devices at once."""
+  read as a missed heartbeat). A donating step takes a state of zeros shaped like `state` (which
+  may itself have been donated already: a dp job restarted compiles its step again): at build
+  only, two states are on the devices at once."""
   zeros = np.zeros((batch_size, seq_len), np.int32)
   if inner.donates_state(train_step):
-    # Placed with the very sharding objects of `state`, so the call files the same cache entry.
-    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+    # Placed with the very sharding objects of `state`, so the call files the same cache entry;
+    # only the metadata of `state` is read.
+    state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), state)
   _, step_metrics = train_step(state, {"inputs": zeros, "targets": zeros})
   jax.block_until_ready(step_metrics)
 
