@@ -397,6 +397,7 @@ def _build_seconds_in_a_fresh_process(tmp_path, **overrides) -> float:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 34 s on CI: two fresh processes that compile 4 and 16 layers
 def test_a_deep_stacked_model_builds_about_as_fast_as_a_shallow_one(tmp_path):
   """Issue 15 part 1: with stacked layers, 16 layers build in at most 1.5x the time of 4 (the
   unrolled default experiment: 2.6x). Each build runs in its own fresh process; two learners, so

@@ -203,8 +203,12 @@ def donates_state(train_step: Callable[..., Any]) -> bool:
 def copy_tree(tree: Any) -> Any:
   """A copy of every array of `tree` in new buffers, sharded alike: it outlives a donation of the
   original. Queued on the devices like any program, so it reads the state before a step that is
-  dispatched after it overwrites it."""
-  return jax.tree.map(jnp.copy, tree)
+  dispatched after it overwrites it. One batched transfer for the whole tree: a jnp.copy per
+  array took 4.9 ms per step for the 38 tensors of tiny_cpu's model on 2 CPU devices, this 1.5 ms
+  (tiny test steps take a few ms)."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+    return jax.tree.map(jnp.copy, tree)  # inside a traced function: one op per array is free
+  return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
