@@ -77,6 +77,7 @@ def test_a_corrupted_newest_checkpoint_is_skipped_at_resume_for_the_previous_one
     assert sum(buckets.values()) == pytest.approx(summary["wall_seconds"], abs=0.2)
 
 
+@pytest.mark.slow  # 32 s on CI (two builds); the fault's refusal without checkpoints stays below
 def test_with_no_checkpoint_on_disk_yet_nothing_is_damaged_and_the_fault_says_so(tmp_path):
   summary = train.execute(train.build(_settings(tmp_path, "corrupt_checkpoint@second=0")),
                           progress=False)
