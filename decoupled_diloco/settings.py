@@ -45,6 +45,7 @@ from decoupled_diloco.runtime import injector
 
 MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")
+DONATE_STATE = ("auto", "always", "never")
 ANCHORS = ("learner", "syncer")
 BROADCAST_FORMATS = ("fp32", "bf16")
 
@@ -195,8 +196,12 @@ class RunSettings:
   # Persistent JAX compilation cache, resolved: workdir/jax_cache for the config's "", None for
   # "none" (the run sets none; one JAX's own flags or environment set stands).
   compilation_cache_dir: str | None
+  # auto | always | never, as written; `donates_state` is what the run does.
+  donate_state: str
   # Sequences per step of each learner: data.batch_size, times num_learners in dp mode.
   learner_batch_size: int = dataclasses.field(metadata=_DERIVED)
+  # Whether the learners' steps donate the train state: donate_state resolved for the platform.
+  donates_state: bool = dataclasses.field(default=False, metadata=_DERIVED)
 
   @property
   def learner_devices(self) -> int:
@@ -597,6 +602,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   checkpoint, restore = _resolve_checkpoint(config, workdir)
   profile_steps = _profile_steps(config, num_steps)
   compilation_cache_dir = _compilation_cache_dir(config, workdir)
+  donate_state = _check_choice(config, "donate_state", DONATE_STATE)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
                                          for f in chaos_settings.faults):
     _fail("chaos.schedule", chaos_settings.schedule, "corrupt_checkpoint damages the newest "
@@ -689,4 +695,6 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
       profile_steps=profile_steps, compilation_cache_dir=compilation_cache_dir,
-      learner_batch_size=learner_batch_size)
+      donate_state=donate_state, learner_batch_size=learner_batch_size,
+      donates_state=(donate_state == "always"
+                     or (donate_state == "auto" and devices.platform != "cpu")))

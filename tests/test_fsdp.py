@@ -172,7 +172,7 @@ def test_pulls_and_checkpoint_state_survive_the_donating_fsdp_learner(tmp_path):
 
   run = train.build(tiny_settings(tmp_path, num_learners=2, num_steps=8,
                                   learner_mesh_shapes=((1, 2, 1),), model__remat="full",
-                                  model__param_dtype="bfloat16"),
+                                  model__param_dtype="bfloat16", donate_state="always"),
                     step_hook=hook)
   assert run.learners[0]._donates
   summary = train.execute(run, progress=False)

@@ -64,6 +64,7 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("stall_timeout_s", 0.0, "config.stall_timeout_s=0.0"),
     ("syncer.num_workers", 0, "config.syncer.num_workers=0"),
     ("model.attention", "flash", "config.model.attention='flash'"),
+    ("donate_state", "yes", "config.donate_state='yes' is invalid: must be one of auto, always"),
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
   _assert_fails(field, value, needle)
@@ -99,6 +100,15 @@ def _assert_fails(field, value, needle):
   with pytest.raises(ValueError, match=None) as err:
     settings.validate(_config(**{field: value}))
   assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("value, platform, donates", [
+    ("auto", "cpu", False), ("auto", "gpu", True), ("auto", "tpu", True),
+    ("always", "cpu", True), ("never", "gpu", False)])
+def test_donate_state_auto_donates_on_accelerators_only(value, platform, donates):
+  # Validation reads no device: a gpu platform resolves on this CPU-only machine too.
+  run = settings.validate(_config(donate_state=value, **{"devices.platform": platform}))
+  assert run.donates_state is donates
 
 
 def test_too_many_fragments_for_the_model_fails_at_start_up():

@@ -189,7 +189,7 @@ def build(settings: settings_lib.RunSettings, *,
       params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
     state = inner.init_train_state(params, tx, mesh, shardings)
     train_step = inner.make_train_step(
-        graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings), donate=True)
+        graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings), donate=settings.donates_state)
     started = time.perf_counter()
     _compile(train_step, state, settings.learner_batch_size, data.seq_len)
     compile_seconds["train_compile_s"] += time.perf_counter() - started
@@ -290,7 +290,7 @@ def build(settings: settings_lib.RunSettings, *,
       """The dp step compiled again, as a restarted job compiles it (a new jit object)."""
       step = inner.make_train_step(
           graphdef, tx, learner_meshes[0],
-          inner.train_state_shardings(state0, learner_meshes[0], shardings0), donate=True)
+          inner.train_state_shardings(state0, learner_meshes[0], shardings0), donate=settings.donates_state)
       _compile(step, state0, settings.learner_batch_size, data.seq_len)
       return injector.wrap_train_step(0, step) if injector is not None else step
 
