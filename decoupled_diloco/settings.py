@@ -46,6 +46,7 @@ from decoupled_diloco.runtime import injector
 MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")
 DONATE_STATE = ("auto", "always", "never")
+RUNTIMES = ("threads", "ray")
 ANCHORS = ("learner", "syncer")
 BROADCAST_FORMATS = ("fp32", "bf16")
 
@@ -57,6 +58,13 @@ _DERIVED = {"derived": True}
 class DevicesSettings:
   platform: str  # whose devices the learners use: cpu | gpu | tpu
   num_fake_cpu_devices: int  # host devices requested before JAX starts; 0 = the real devices
+
+
+@dataclasses.dataclass(frozen=True)
+class RaySettings:
+  # config.runtime=ray: "" starts a local Ray inside the command (loopback only); "auto" or an
+  # address (host:port, ray://host:port) joins a running cluster.
+  address: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +180,10 @@ class RunSettings:
   stall_timeout_s: float  # fail when no learner steps (or the flush does not end) for this long
   max_restarts: int  # per learner; a learner that fails once more stays down
   devices: DevicesSettings
+  # threads: every learner a thread of this process | ray: every learner a process of its own
+  # (runtime/ray_runtime.py).
+  runtime: str
+  ray: RaySettings
   num_learners: int  # learners that train (1 in dp mode)
   # (data, model) or (data, fsdp, model) per learner, as written in the config.
   learner_mesh_shapes: tuple[tuple[int, ...], ...]
@@ -574,6 +586,25 @@ def _compilation_cache_dir(config, workdir: str) -> str | None:
   return directory
 
 
+def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
+                     late_learners: tuple[int, ...]) -> tuple[str, RaySettings]:
+  runtime = _check_choice(config, "runtime", RUNTIMES)
+  address = _get(config, "ray.address")
+  if not isinstance(address, str):
+    _fail("ray.address", address, "must be a string: '' (a local Ray started by the command), "
+          "'auto' or a cluster address")
+  if runtime == "ray":
+    # What the process runtime runs so far (issue 11): the rest fails here, named.
+    if mode != "decoupled":
+      _fail("runtime", runtime, f"runs mode='decoupled' only so far, not config.mode={mode!r}")
+    if chaos_settings.enabled:
+      _fail("runtime", runtime, "does not inject config.chaos faults yet: kill a learner's "
+            "process by hand (its pid is logged) or use runtime='threads'")
+    if late_learners:
+      _fail("runtime", runtime, "does not hold late learners back yet (config.late_learners)")
+  return runtime, RaySettings(address=address)
+
+
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
   """Checks every field of `config`; returns the settings tree or raises ValueError."""
   _check_fields(config)
@@ -603,6 +634,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   profile_steps = _profile_steps(config, num_steps)
   compilation_cache_dir = _compilation_cache_dir(config, workdir)
   donate_state = _check_choice(config, "donate_state", DONATE_STATE)
+  runtime, ray_settings = _resolve_runtime(config, mode, chaos_settings, late_learners)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
                                          for f in chaos_settings.faults):
     _fail("chaos.schedule", chaos_settings.schedule, "corrupt_checkpoint damages the newest "
@@ -690,7 +722,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   return RunSettings(
       mode=mode, seed=seed, workdir=workdir, num_steps=num_steps, log_every=log_every,
       eval_every=eval_every, eval_batches=eval_batches, stall_timeout_s=stall_timeout_s,
-      max_restarts=max_restarts, devices=devices, num_learners=num_learners, learner_mesh_shapes=mesh_shapes,
+      max_restarts=max_restarts, devices=devices, runtime=runtime, ray=ray_settings,
+      num_learners=num_learners, learner_mesh_shapes=mesh_shapes,
       learner_step_delays_s=delays, late_learners=late_learners, syncer=syncer, sync=sync, merge=merge_settings,
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,

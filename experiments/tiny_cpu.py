@@ -74,10 +74,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.compilation_cache_dir = ""
   # Donate the train state to the learner's step (the step writes the new state over the old one,
   # so a learner holds one train state, not two): always | never | auto = on GPU and TPU, not on
-  # CPU. On XLA:CPU donation buys no memory worth having and costs: the copy each step publishes
-  # slowed tiny_cpu's learners by 13% and delayed the syncer's pulls behind it (72 late offers,
-  # goodput 84% against 91% without; README "Known limits").
+  # CPU. On XLA:CPU donation buys no memory worth having and costs: with it the default run's
+  # learners made 0.95x the tokens/s, its pulls came late more often and it discarded more progress
+  # (goodput 88.2% against 91.2%; scripts/bench_donation.py, results/donation.json).
   config.donate_state = "auto"
+
+  # threads: every learner a thread of this process | ray: every learner a process of its own, a
+  # Ray actor (runtime/ray_runtime.py; decoupled mode, no config.chaos faults so far).
+  config.runtime = "threads"
+  config.ray = ml_collections.ConfigDict()
+  # "" = a local Ray started by the command, on loopback only; "auto" or an address joins a cluster.
+  config.ray.address = ""
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use

@@ -156,3 +156,20 @@ class Broadcast:
   @property
   def nbytes(self) -> int:
     return sum(enc.nbytes for enc in self.values.values())
+
+
+class PendingAnswer:
+  """A learner's answer to a pull (`LearnerLink.offer`) still on its way from another process.
+
+  The syncer keeps it among the copying offers of its round until `in_host_memory`, then reads
+  `result()`: an `Offer` in host RAM or an `Answer`. The threaded runtime never makes one (its
+  learners answer at once); `runtime/ray_runtime.py` does.
+  """
+
+  @property
+  def in_host_memory(self) -> bool:
+    raise NotImplementedError
+
+  def result(self) -> "Offer | Answer":
+    raise NotImplementedError
+

@@ -690,17 +690,31 @@ class Syncer:
       for m in sorted(self._live - self._absent):
         if m in round_.offers or m in round_.copying or m in round_.answered:
           continue
-        merged_through = self._merged_through.get((m, p), 0)
-        answer = self._learners[m].offer(p, merged_through)
-        if isinstance(answer, messages.Offer) and (
-            answer.since < merged_through or answer.anchor_version < self._min_anchor[p]):
-          answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
-        if isinstance(answer, messages.Offer):
+        answer = self._learners[m].offer(p, self._merged_through.get((m, p), 0))
+        if isinstance(answer, messages.PendingAnswer):
+          # A learner in another process: its answer is on its way (runtime/ray_runtime.py).
           round_.copying[m] = (answer, time.monotonic())
-        elif answer is messages.Answer.STALE:
-          self.stats.stale_answers += 1
-        elif answer is messages.Answer.NOTHING and m not in self._training:
-          round_.answered.add(m)  # it will make no new step: nothing to wait for
+        else:
+          self._admit(round_, m, answer, copying=True)
+
+  def _admit(self, round_: _Round, m: int, answer: messages.Offer | messages.Answer, *,
+             copying: bool) -> None:
+    """Learner m's answer to round_: an offer (still copying to host RAM, or landed), or none."""
+    p = round_.fragment
+    merged_through = self._merged_through.get((m, p), 0)
+    if isinstance(answer, messages.Offer) and (
+        answer.since < merged_through or answer.anchor_version < self._min_anchor[p]):
+      answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
+    if isinstance(answer, messages.Offer):
+      if copying:
+        round_.copying[m] = (answer, time.monotonic())
+      else:
+        round_.offers[m] = answer
+        round_.landed_at = time.monotonic()
+    elif answer is messages.Answer.STALE:
+      self.stats.stale_answers += 1
+    elif answer is messages.Answer.NOTHING and m not in self._training:
+      round_.answered.add(m)  # it will make no new step: nothing to wait for
 
   def _accept_pushed(self, offer: messages.Offer) -> None:
     """Lock-step learners push their offers; the first one of a fragment opens its round."""
@@ -723,6 +737,12 @@ class Syncer:
       for m, (offer, _) in list(round_.copying.items()):
         if offer.in_host_memory:
           del round_.copying[m]
+          if isinstance(offer, messages.PendingAnswer):
+            answer = offer.result()  # in host RAM already: the learner's process sent it
+            if self._from_earlier_incarnation(answer):
+              continue  # counted in rejected_offers.stale_incarnation
+            self._admit(round_, m, answer, copying=False)
+            continue
           round_.offers[m] = offer
           round_.landed_at = now
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 import resource
 import signal
@@ -47,6 +48,7 @@ from decoupled_diloco.runtime import job_restart
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime import ray_runtime
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.runtime import syncer_keeper as keeper_lib
@@ -142,8 +144,16 @@ def build(settings: settings_lib.RunSettings, *,
     history.update(restored.cut.history)
     history["resumes"] = list(history["resumes"]) + [
         {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped}]
+  in_processes = settings.runtime == "ray"
+  if in_processes and restored is not None:
+    raise ValueError(f"config.runtime='ray' does not resume from a checkpoint yet ({restored.path}); "
+                     "resume with config.runtime='threads' or start afresh (config.restore='none' "
+                     "and an empty config.checkpoint.dir)")
+  # With learner processes (config.runtime=ray) this process holds the syncer and one CPU device
+  # for the model's initialisation and the evaluations; each learner makes its own mesh.
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
-      settings.learner_mesh_shapes, settings.syncer.num_devices, settings.devices.platform)
+      ((1, 1),) if in_processes else settings.learner_mesh_shapes, settings.syncer.num_devices,
+      "cpu" if in_processes else settings.devices.platform)
   metrics = metrics_lib.MetricsWriter(
       settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None)
   data = settings.data
@@ -177,28 +187,21 @@ def build(settings: settings_lib.RunSettings, *,
   compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
                      "syncer_compile_s": 0.0}
   for index, mesh in enumerate(learner_meshes):
-    shardings = model_lib.param_shardings(model_cfg, mesh)
+    if in_processes:  # the initial parameters only, for the syncer's Theta: no learner here
+      graphdef, params = model_lib.init_params(model_cfg, mesh, settings.seed)
+      initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+      break
     if initial is None:
       started = time.perf_counter()
       graphdef, params = model_lib.init_params(model_cfg, mesh, settings.seed)
       initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
       compile_seconds["init_compile_s"] = time.perf_counter() - started
-    else:
-      # Every learner starts from the same parameters (the same seed gives the same values on any
-      # mesh): copy them instead of compiling the initialiser once per mesh.
-      params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
-    state = inner.init_train_state(params, tx, mesh, shardings)
-    train_step = inner.make_train_step(
-        graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings), donate=settings.donates_state)
-    started = time.perf_counter()
-    _compile(train_step, state, settings.learner_batch_size, data.seq_len)
-    compile_seconds["train_compile_s"] += time.perf_counter() - started
+    train_step, state, shardings, batches, seconds = learner_parts(
+        settings, index, mesh, graphdef, initial, tx, dataset)
+    compile_seconds["train_compile_s"] += seconds
     if injector is not None:
       train_step = injector.wrap_train_step(index, train_step)  # nan faults corrupt its output
-    loader = data_lib.make_train_loader(
-        dataset.train, seq_len=data.seq_len, batch_size=settings.learner_batch_size,
-        shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
-    built.append((train_step, state, shardings, iter(loader)))
+    built.append((train_step, state, shardings, batches))
   syncer, port = None, None
 
   def make_syncer() -> syncer_lib.Syncer:
@@ -231,19 +234,14 @@ def build(settings: settings_lib.RunSettings, *,
   def peer_repairing() -> bool:
     return supervisor_box[0] is not None and supervisor_box[0].repairing
 
+  if in_processes:
+    ray_runtime.start_ray(settings.ray.address, settings.num_learners)
+    learners = ray_runtime.start_learners(settings, port=port, metrics=metrics, layout=layout,
+                                          likes=None, snapshots={}, incarnations={})
+    for learner in learners:
+      syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation)
   for index, (train_step, state, shardings, batches) in enumerate(built):
-    options = learner_lib.LearnerOptions(
-        num_steps=settings.num_steps,
-        lock_step=bool(sync and sync.lock_step),
-        schedule=sync.schedule if sync else None,
-        alpha=settings.merge.alpha,
-        keep_in_flight_progress=settings.merge.keep_in_flight_progress,
-        step_delay_s=settings.learner_step_delays_s[index],
-        log_every=settings.log_every,
-        wait_timeout_s=settings.stall_timeout_s,
-        profile_steps=settings.profile_steps if index == 0 else None,
-        profile_dir=os.path.join(settings.workdir, "profile"),
-    )
+    options = learner_options(settings, index)
     cut = learner_cuts.get(index)
     learner = learner_lib.Learner(
         index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
@@ -265,6 +263,9 @@ def build(settings: settings_lib.RunSettings, *,
   compile_seconds["eval_compile_s"] = time.perf_counter() - started
   supervisor, keeper, restarter = None, None, None
   repaired_at = injector.repaired_at if injector is not None else lambda _: 0.0
+  if in_processes:
+    # A learner process is repaired once Ray has restarted it (runtime/ray_runtime.py).
+    repaired_at = lambda m: 0.0 if learners[m].process_up() else math.inf  # noqa: E731
   if syncer is not None and not sync.lock_step:
     keeper = keeper_lib.SyncerKeeper(
         syncer=syncer, port=port, make_syncer=make_syncer, learners=learners,
@@ -320,6 +321,44 @@ def build(settings: settings_lib.RunSettings, *,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
              history, restored, keeper, corrupter, restarter=restarter, data_info=data_info)
+
+
+def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef, initial, tx,
+                  dataset: data_lib.Dataset):
+  """Learner `index`'s compiled step, initial state on `mesh`, parameter shardings and batches,
+  and the seconds its step took to compile. The same in every runtime: a learner thread of this
+  process, or a learner process of its own (`runtime/ray_runtime.py`)."""
+  shardings = model_lib.param_shardings(settings.model, mesh)
+  # Every learner starts from the same parameters (the same seed gives the same values on any
+  # mesh): placed from the host instead of compiling the initialiser once per mesh.
+  params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
+  state = inner.init_train_state(params, tx, mesh, shardings)
+  train_step = inner.make_train_step(
+      graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings),
+      donate=settings.donates_state)
+  started = time.perf_counter()
+  _compile(train_step, state, settings.learner_batch_size, settings.data.seq_len)
+  seconds = time.perf_counter() - started
+  loader = data_lib.make_train_loader(
+      dataset.train, seq_len=settings.data.seq_len, batch_size=settings.learner_batch_size,
+      shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
+  return train_step, state, shardings, iter(loader), seconds
+
+
+def learner_options(settings: settings_lib.RunSettings, index: int) -> learner_lib.LearnerOptions:
+  sync = settings.sync
+  return learner_lib.LearnerOptions(
+      num_steps=settings.num_steps,
+      lock_step=bool(sync and sync.lock_step),
+      schedule=sync.schedule if sync else None,
+      alpha=settings.merge.alpha,
+      keep_in_flight_progress=settings.merge.keep_in_flight_progress,
+      step_delay_s=settings.learner_step_delays_s[index],
+      log_every=settings.log_every,
+      wait_timeout_s=settings.stall_timeout_s,
+      profile_steps=settings.profile_steps if index == 0 else None,
+      profile_dir=os.path.join(settings.workdir, "profile"),
+  )
 
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
@@ -448,6 +487,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       learner.release()
     for learner in learners:
       learner.join()
+    if settings.runtime == "ray":
+      ray_runtime.shutdown(learners)
     if syncer is not None:
       syncer.stop()
       syncer.join()
@@ -746,6 +787,8 @@ def _shut_down(run: Run) -> None:
     run.syncer.stop()
   for learner in run.learners:
     learner.join(timeout=30)
+  if run.settings.runtime == "ray":
+    ray_runtime.shutdown(run.learners)
   if run.syncer is not None:
     run.syncer.join(timeout=30)
   run.metrics.close()

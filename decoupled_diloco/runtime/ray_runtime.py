@@ -1,0 +1,568 @@
+"""Learners as processes (config.runtime=ray): each learner is a Ray actor with its own JAX.
+
+The learner is the same `Learner` as in the threaded runtime, built by the same
+`train.learner_parts`, running in a process of its own on its own devices (fake CPU devices are
+requested in that process before its JAX starts). Only the links differ:
+
+- The syncer's pulls (`LearnerLink.offer`) are actor calls. The answer travels back through Ray's
+  object store as host arrays; until it has landed the syncer holds a `messages.PendingAnswer` among
+  the round's copying offers, exactly where a threaded learner's copy to host RAM would be: a pull
+  never blocks the syncer or the learner. Broadcasts are fire-and-forget actor calls.
+- A learner's posts to the syncer (step reports, its end, its exit) and its metrics records wait in
+  its process until the driver's watcher thread for it collects them (a long poll: one call returns
+  as soon as there is something, or after `_POLL_S`); the watcher also mirrors the counters and
+  timestamps the controller reads (step, step times, losses, errors), so the supervisor, the
+  checkpointer, goodput and the summary read a `RemoteLearner` as they read a `Learner`.
+- A learner process that dies (SIGKILL, out of memory, a lost host) is restarted by Ray
+  (`max_restarts`): its constructor builds a fresh learner that waits. The watcher sees the death as
+  the learner's error; the supervisor's rejoin (peer state and Theta, unchanged code) then calls
+  `respawn`, which hands the new process its snapshot and the next incarnation.
+
+Fencing: every call the driver makes on a learner's process carries the incarnation the driver
+expects there and a MAC (HMAC-SHA256) keyed by a per-job secret that only the driver makes and hands
+to its actors. A call without a valid MAC (another driver on the same cluster that looked the actor
+up by name) or for another incarnation is rejected, logged and counted (`rejected_calls`); nothing it
+carried reaches the learner's state.
+
+The syncer and the controller stay in the driver's process here (a CPU host, as in the paper); the
+syncer as an actor of its own, faults from config.chaos under this runtime and the multi-host TPU
+placement are the rest of issue 11.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Read by Ray when it is imported: a local cluster then keeps every connection on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import collections  # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
+import hashlib
+import hmac
+import math
+import secrets
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import messages
+
+_POLL_S = 0.2  # the longest a watcher's call waits in the learner's process for news
+_CALL_TIMEOUT_S = 120.0  # a blocking call on a learner's process (state for a rejoin or a cut)
+# Keep a local cluster on loopback (the guide's verified setting) and Ray's token auth on.
+LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class RejectedCall(Exception):
+  """A call on a learner's process without a valid MAC, or for another incarnation."""
+
+
+def sign(secret: bytes, method: str, learner: int, incarnation: int, detail: str = "") -> str:
+  """The MAC a call carries: over what it does, to whom, and which incarnation it expects."""
+  text = f"{method}|{learner}|{incarnation}|{detail}".encode()
+  return hmac.new(secret, text, hashlib.sha256).hexdigest()
+
+
+def start_ray(address: str, num_learners: int) -> None:
+  """Starts a local Ray inside this process (`address` "") or joins a cluster ("auto" or an
+  address). A local one listens on loopback only; Ray's own token authentication stays on."""
+  import ray  # pylint: disable=g-import-not-at-top
+  global _started_here
+  if ray.is_initialized():
+    return
+  for key, value in LOCAL_ENV.items():
+    os.environ.setdefault(key, value)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
+      p for p in (root, os.environ.get("PYTHONPATH", "")) if p), **LOCAL_ENV}}
+  if address:
+    ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING,
+             log_to_driver=True)
+  else:
+    # One CPU slot per learner process: Ray does not hold a learner back for want of cores (the
+    # processes share this host's cores as the threads did).
+    ray.init(num_cpus=num_learners + 1, include_dashboard=False, runtime_env=runtime_env,
+             logging_level=logging.WARNING, log_to_driver=True, _node_ip_address="127.0.0.1")
+    _started_here = True
+
+
+def shutdown(learners) -> None:
+  """Ends the learners' processes (and the local Ray this command started, if it did)."""
+  import ray  # pylint: disable=g-import-not-at-top
+  if not ray.is_initialized():
+    return
+  for learner in learners:
+    if isinstance(learner, RemoteLearner):
+      learner.end()
+  if _started_here:
+    ray.shutdown()
+
+
+_started_here = False  # whether start_ray started the Ray this process uses
+
+
+def _host(tree: Any) -> Any:
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+class _Outbox:
+  """The learner's `SyncerLink` in its process: posts wait here for the driver's watcher."""
+
+  def __init__(self):
+    self._posts: collections.deque = collections.deque()
+    self._records: collections.deque = collections.deque()
+    self.news = threading.Condition()
+
+  def post(self, message: Any) -> None:
+    with self.news:
+      self._posts.append(message)
+      self.news.notify_all()
+
+  def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
+            scalars: dict[str, float] | None = None) -> None:
+    """The learner's metrics writer: its records go to the driver's metrics.jsonl."""
+    with self.news:
+      self._records.append((kind, record, step, scalars))
+
+  def take(self, timeout_s: float) -> tuple[list, list]:
+    with self.news:
+      if not self._posts:
+        self.news.wait(timeout_s)
+      posts, records = list(self._posts), list(self._records)
+      self._posts.clear()
+      self._records.clear()
+    return posts, records
+
+
+class LearnerProcess:
+  """One learner in its own process (the body of the Ray actor; `RemoteLearner` drives it)."""
+
+  def __init__(self, settings: settings_lib.RunSettings, index: int, secret: bytes,
+               snapshot: learner_lib.LearnerSnapshot | None = None, incarnation: int = 0):
+    from decoupled_diloco.lm import data as data_lib  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.lm import inner  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.lm import model as model_lib  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.lm import tokenizers  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.algorithm import fragments as fragments_lib  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime import devices as devices_lib  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
+    self._index, self._secret = index, secret
+    self.rejected_calls = 0
+    shape = settings.learner_mesh_shapes[index]
+    if settings.devices.platform == "cpu":
+      devices_lib.request_fake_cpu_devices(math.prod(shape))
+    train._use_compilation_cache(settings.compilation_cache_dir)  # pylint: disable=protected-access
+    (mesh,), _ = devices_lib.build_meshes((shape,), 0, settings.devices.platform)
+    data = settings.data
+    dataset = data_lib.load_dataset(
+        data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
+        seq_len=data.seq_len, eval_fraction=data.eval_fraction)
+    graphdef, params = model_lib.init_params(settings.model, mesh, settings.seed)
+    initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+    tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
+    train_step, state, shardings, batches, self.compile_s = train.learner_parts(
+        settings, index, mesh, graphdef, initial, tx, dataset)
+    sync = settings.sync
+    fragments = fragments_lib.partition(
+        model_lib.param_shapes(settings.model), sync.num_fragments, sync.fragmentation,
+        embedding_names=(model_lib.EMBEDDING_NAME,))
+    self._outbox = _Outbox()
+    self._make = lambda snap, inc: learner_lib.Learner(
+        index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
+        fragments=fragments, syncer=self._outbox, metrics=self._outbox,
+        layout=model_lib.param_layout(settings.model), options=train.learner_options(settings, index),
+        snapshot=snap, incarnation=inc)
+    self._learner = self._make(snapshot, incarnation)
+    self._started = False
+
+  # ---- fencing ---------------------------------------------------------------------------------
+
+  def _check(self, mac: str, method: str, incarnation: int, detail: str = "") -> None:
+    expected = sign(self._secret, method, self._index, incarnation, detail)
+    if not hmac.compare_digest(mac, expected):
+      self.rejected_calls += 1
+      logging.warning("learner %d: rejected a %s call without a valid MAC (not from this job's "
+                      "driver); %d rejected so far", self._index, method, self.rejected_calls)
+      raise RejectedCall(f"learner {self._index}: {method} without a valid MAC")
+    if incarnation != self._learner.incarnation:
+      self.rejected_calls += 1
+      logging.warning("learner %d: rejected a %s call for incarnation %d (this is %d)",
+                      self._index, method, incarnation, self._learner.incarnation)
+      raise RejectedCall(f"learner {self._index}: {method} for incarnation {incarnation}, this is "
+                         f"incarnation {self._learner.incarnation}")
+
+  # ---- calls from the driver -------------------------------------------------------------------
+
+  def pid(self) -> int:
+    return os.getpid()
+
+  def start(self, incarnation: int, mac: str) -> None:
+    self._check(mac, "start", incarnation)
+    if not self._started:
+      self._started = True
+      self._learner.start()
+
+  def restore(self, snapshot: learner_lib.LearnerSnapshot, incarnation: int, mac: str) -> int:
+    """A rejoin: the next incarnation from `snapshot` (a fresh process, or one whose learner
+    failed). Returns the process id."""
+    if not hmac.compare_digest(mac, sign(self._secret, "restore", self._index, incarnation)):
+      self._check(mac, "restore", incarnation)  # counts and raises
+    old = self._learner
+    old.stop()
+    old.join(timeout=30)
+    self._learner = self._make(snapshot, incarnation)
+    self._started = False
+    return os.getpid()
+
+  def offer(self, p: int, merged_through: int, incarnation: int, mac: str):
+    self._check(mac, "offer", incarnation, f"{p}")
+    answer = self._learner.offer(p, merged_through)
+    if isinstance(answer, messages.Offer):
+      # Host arrays: the object store carries them to the syncer's process.
+      answer = dataclasses.replace(answer, values={n: np.asarray(v, np.float32)
+                                                   for n, v in answer.values.items()})
+    return answer
+
+  def deliver(self, broadcast: messages.Broadcast, incarnation: int, mac: str) -> None:
+    self._check(mac, "deliver", incarnation, f"{broadcast.fragment}:{broadcast.version}")
+    self._learner.deliver(broadcast)
+
+  def want_full_state(self, seconds: float, incarnation: int, mac: str) -> None:
+    self._check(mac, "want_full_state", incarnation)
+    self._learner.want_full_state(seconds)
+
+  def published(self, full: bool, timeout_s: float, incarnation: int, mac: str):
+    """The latest publication in host arrays (with the optimizer state if `full`), or None."""
+    self._check(mac, "published", incarnation)
+    learner = self._learner
+    published = learner.full_publication(timeout_s) if full else learner.published
+    if published is None:
+      return None
+    return dataclasses.replace(published, params=_host(published.params),
+                               opt_state=_host(published.opt_state),
+                               state_step=_host(published.state_step))
+
+  def stop(self, incarnation: int, mac: str) -> None:
+    self._check(mac, "stop", incarnation)
+    self._learner.stop()
+
+  def release(self, incarnation: int, mac: str) -> None:
+    self._check(mac, "release", incarnation)
+    self._learner.release()
+
+  def poll(self, timeout_s: float) -> dict[str, Any]:
+    """What happened since the last poll: posts, metrics records, and the learner's status."""
+    posts, records = self._outbox.take(timeout_s)
+    learner = self._learner
+    counters = learner.counters()
+    error = learner.error
+    return {
+        "incarnation": learner.incarnation, "posts": posts, "records": records,
+        "step": learner.step, "steps_made": learner.steps_made, "start_step": learner.start_step,
+        "losses": len(learner.losses), "new_losses": list(learner.losses[-64:]),
+        "step_times": list(learner.step_times[-64:]), "step_ends": list(learner.step_ends[-64:]),
+        "num_steps_done": len(learner.step_times),
+        "first_step_done_at": learner.first_step_done_at,
+        "train_started_at": learner.train_started_at, "failed_at": learner.failed_at,
+        "error": None if error is None else repr(error),
+        "finished_training": learner.finished_training.is_set(),
+        "thread_alive": learner.alive or not self._started,
+        "discarded_fragment_tokens": learner.discarded_fragment_tokens,
+        "discarded_fragment_steps": learner.discarded_fragment_steps,
+        "barrier_wait_s": learner.barrier_wait_s,
+        "counters": (counters.steps, counters.tokens, counters.anchor_versions),
+        "data_state": learner.published.data_state, "published_step": learner.published.step,
+        "offers_made": learner.offers_made, "rejected_calls": self.rejected_calls,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteDevice:
+  """What the controller reads of a device in a learner's process: its kind (memory: unknown)."""
+
+  device_kind: str
+
+  def memory_stats(self) -> None:
+    return None
+
+
+class LearnerProcessDied(RuntimeError):
+  """The learner's process is gone (killed, out of memory, its host lost)."""
+
+
+class _PendingRay(messages.PendingAnswer):
+  def __init__(self, ref):
+    self._ref = ref
+
+  @property
+  def in_host_memory(self) -> bool:
+    import ray  # pylint: disable=g-import-not-at-top
+    ready, _ = ray.wait([self._ref], timeout=0, fetch_local=True)
+    return bool(ready)
+
+  def result(self) -> messages.Offer | messages.Answer:
+    import ray  # pylint: disable=g-import-not-at-top
+    try:
+      return ray.get(self._ref, timeout=_CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      return messages.Answer.UNREACHABLE  # the process died or refused: ask again later
+
+
+def _wait_until_up(actor, index: int, timeout_s: float = 5 * _CALL_TIMEOUT_S) -> int:
+  """Waits while Ray restarts the learner's process (its constructor builds a fresh learner);
+  returns its pid."""
+  import ray  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      return ray.get(actor.pid.remote(), timeout=timeout_s)
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"learner {index}: its process did not come back within {timeout_s} s")
+      time.sleep(0.2)
+
+
+class RemoteLearner:
+  """The driver's handle on a learner process: a `LearnerLink` for the syncer, and the view of a
+  `Learner` that the controller, the supervisor and the summary read (kept by a watcher thread)."""
+
+  def __init__(self, index: int, actor, *, secret: bytes, port, metrics, layout, like,
+               num_devices: int, device_kind: str, incarnation: int = 0, pid: int | None = None,
+               data_state: bytes | None = None):
+    self.index, self.incarnation = index, incarnation
+    self._actor, self._secret, self._port, self._metrics = actor, secret, port, metrics
+    self.layout, self.state_like = layout, like
+    self.num_devices, self.device_kind = num_devices, device_kind
+    self.pid = pid
+    self.step = self.start_step = self.steps_made = 0
+    self.losses: list[float] = []
+    self.step_times: list[float] = []
+    self.step_ends: list[float] = []
+    self.first_step_done_at = self.train_started_at = self.failed_at = None
+    self.error: BaseException | None = None
+    self.finished_training = threading.Event()
+    self.discarded_fragment_tokens = self.discarded_fragment_steps = 0
+    self.barrier_wait_s = 0.0
+    self.barrier_waits: list[tuple[float, float]] = []
+    self.rejected_calls = 0
+    self._counters = None
+    self._offers_made = None
+    self.data_state = data_state
+    self._up_ref = None  # a pid call in flight (process_up)
+    self._stopped = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name=f"watch-learner-{index}", daemon=True)
+    self._refresh(self._call_get("poll", 0.0))
+
+  # ---- calls -----------------------------------------------------------------------------------
+
+  def _mac(self, method: str, detail: str = "") -> str:
+    return sign(self._secret, method, self.index, self.incarnation, detail)
+
+  def _call(self, method: str, *args, detail: str = ""):
+    fn = getattr(self._actor, method)
+    if method == "poll":
+      return fn.remote(*args)
+    return fn.remote(*args, self.incarnation, self._mac(method, detail))
+
+  def _call_get(self, method: str, *args, detail: str = "", timeout: float = _CALL_TIMEOUT_S):
+    import ray  # pylint: disable=g-import-not-at-top
+    return ray.get(self._call(method, *args, detail=detail), timeout=timeout)
+
+  # ---- LearnerLink -----------------------------------------------------------------------------
+
+  def offer(self, p: int, merged_through: int) -> messages.PendingAnswer:
+    return _PendingRay(self._call("offer", p, merged_through, detail=f"{p}"))
+
+  def deliver(self, broadcast: messages.Broadcast) -> None:
+    self._call("deliver", broadcast, detail=f"{broadcast.fragment}:{broadcast.version}")
+
+  def want_full_state(self, seconds: float) -> None:
+    self._call("want_full_state", seconds)
+
+  @property
+  def published(self) -> messages.Publication:
+    """The latest publication, read from the learner's process. While that process is down or
+    restarting (the syncer may ask for a checkpoint's cut meanwhile): a stand-in that holds no
+    state and no Theta_p version, so no cut can include it."""
+    try:
+      return self._call_get("published", False, 0.0)
+    except Exception:  # pylint: disable=broad-except
+      steps, tokens, versions = self._counters
+      return messages.Publication(
+          step=self.step, params={}, since=np.full_like(steps, self.step), counter_steps=steps,
+          counter_tokens=tokens, anchor_versions=np.full_like(versions, -1), anchors={},
+          training=not self.finished_training.is_set())
+
+  def full_publication(self, timeout_s: float) -> messages.Publication | None:
+    try:
+      return self._call_get("published", True, timeout_s, timeout=timeout_s + _CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      return None  # the peer died meanwhile
+
+  # ---- the Learner view ------------------------------------------------------------------------
+
+  def start(self) -> None:
+    self._call_get("start")
+    self._thread.start()
+
+  def stop(self) -> None:
+    try:
+      self._call("stop")
+    except Exception:  # pylint: disable=broad-except
+      pass
+    self._stopped.set()
+
+  def release(self) -> None:
+    self._call("release")
+
+  def join(self, timeout: float | None = None) -> None:
+    if self._thread.ident is not None:
+      self._thread.join(timeout)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive() and self.error is None
+
+  @property
+  def mesh_devices(self) -> list[RemoteDevice]:
+    return [RemoteDevice(self.device_kind)] * self.num_devices
+
+  def counters(self) -> learner_lib.Counters:
+    return learner_lib.Counters(*self._counters)
+
+  @property
+  def offers_made(self) -> np.ndarray:
+    return np.asarray(self._offers_made).copy()
+
+  def params(self):
+    return self._call_get("published", False, 0.0).params
+
+  def respawn(self, snapshot: learner_lib.LearnerSnapshot) -> "RemoteLearner":
+    """The next incarnation, in this learner's process (Ray restarted it if it died)."""
+    if snapshot.data_state is None:
+      # A new process has a fresh loader: go on from the position the last publication had.
+      snapshot = dataclasses.replace(snapshot, data_state=self.data_state)
+    incarnation = self.incarnation + 1
+    import ray  # pylint: disable=g-import-not-at-top
+    _wait_until_up(self._actor, self.index)
+    pid = ray.get(self._actor.restore.remote(
+        snapshot, incarnation, sign(self._secret, "restore", self.index, incarnation)),
+                  timeout=_CALL_TIMEOUT_S * 5)
+    logging.info("learner %d pid %d (incarnation %d)", self.index, pid, incarnation)
+    return RemoteLearner(self.index, self._actor, secret=self._secret, port=self._port,
+                         metrics=self._metrics, layout=self.layout, like=self.state_like,
+                         num_devices=self.num_devices, device_kind=self.device_kind,
+                         incarnation=incarnation, pid=pid, data_state=snapshot.data_state)
+
+  def process_up(self) -> bool:
+    """Whether this learner's process answers (after a death: whether Ray has restarted it and its
+    constructor has built a fresh learner). Never blocks: the supervisor polls it as the repair
+    time, so a rejoin takes its peer's state once there is a process to hand it to."""
+    import ray  # pylint: disable=g-import-not-at-top
+    if self._up_ref is None:
+      self._up_ref = self._actor.pid.remote()
+    ready, _ = ray.wait([self._up_ref], timeout=0)
+    if not ready:
+      return False
+    ref, self._up_ref = self._up_ref, None
+    try:
+      ray.get(ref, timeout=0)
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False  # still restarting: ask again at the next poll
+
+  def end(self) -> None:
+    """Stops watching and ends the learner's process (the run is over)."""
+    import ray  # pylint: disable=g-import-not-at-top
+    self._stopped.set()
+    ray.kill(self._actor, no_restart=True)
+
+  def kill(self) -> None:
+    """SIGKILL to the learner's process, as a user's `kill -9` or the OOM killer would."""
+    os.kill(self.pid, signal.SIGKILL)
+
+  # ---- the watcher -----------------------------------------------------------------------------
+
+  def _watch(self) -> None:
+    while not self._stopped.is_set():
+      try:
+        status = self._call_get("poll", _POLL_S, timeout=_CALL_TIMEOUT_S)
+      except Exception as err:  # pylint: disable=broad-except
+        if self._stopped.is_set():
+          return
+        self.failed_at = time.monotonic()
+        self.error = LearnerProcessDied(f"learner {self.index} (incarnation {self.incarnation}, "
+                                        f"pid {self.pid}): its process is gone ({type(err).__name__})")
+        logging.warning("%s", self.error)
+        return
+      if status["incarnation"] != self.incarnation:
+        continue  # the process was restored for a later incarnation: this view is retired
+      self._refresh(status)
+      for message in status["posts"]:
+        self._port.post(message)
+      for kind, record, step, scalars in status["records"]:
+        self._metrics.write(kind, record, step=step, scalars=scalars)
+      if status["error"] is not None:
+        self.error = RuntimeError(status["error"])
+        return
+      if not status["thread_alive"]:
+        return  # ended (released after the flush)
+
+  def _refresh(self, status: dict[str, Any]) -> None:
+    done = status["num_steps_done"]
+    new = done - len(self.step_times)
+    if new > 0:
+      self.step_times.extend(status["step_times"][-new:])
+      self.step_ends.extend(status["step_ends"][-new:])
+    new_losses = status["losses"] - len(self.losses)
+    if new_losses > 0:
+      self.losses.extend(status["new_losses"][-new_losses:])
+    self.step, self.steps_made = status["step"], status["steps_made"]
+    self.start_step = status["start_step"]
+    self.first_step_done_at = status["first_step_done_at"]
+    self.train_started_at = status["train_started_at"]
+    self.failed_at = status["failed_at"] or self.failed_at
+    self.discarded_fragment_tokens = status["discarded_fragment_tokens"]
+    self.discarded_fragment_steps = status["discarded_fragment_steps"]
+    self.barrier_wait_s = status["barrier_wait_s"]
+    self._counters = status["counters"]
+    self._offers_made = status["offers_made"]
+    self.data_state = status["data_state"]
+    self.rejected_calls = status["rejected_calls"]
+    if status["finished_training"]:
+      self.finished_training.set()
+
+
+def start_learners(settings: settings_lib.RunSettings, *, port, metrics, layout, likes,
+                   snapshots: dict[int, learner_lib.LearnerSnapshot],
+                   incarnations: dict[int, int]) -> list[RemoteLearner]:
+  """One actor per learner, each in its own process; logs `learner M pid N` for each."""
+  import ray  # pylint: disable=g-import-not-at-top
+  secret = secrets.token_bytes(32)  # this job's: only this driver and its actors hold it
+  actor_class = ray.remote(LearnerProcess)
+  actors = []
+  for m, shape in enumerate(settings.learner_mesh_shapes):
+    env = {"JAX_PLATFORMS": settings.devices.platform}
+    if settings.devices.platform == "cpu":
+      env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={math.prod(shape)}"
+    actors.append(actor_class.options(
+        name=f"learner-{m}-{secrets.token_hex(4)}", max_restarts=max(settings.max_restarts, 0),
+        max_concurrency=8, num_cpus=1, runtime_env={"env_vars": env},
+    ).remote(settings, m, secret, snapshots.get(m), incarnations.get(m, 0)))
+  learners = []
+  for m, actor in enumerate(actors):
+    pid = ray.get(actor.pid.remote(), timeout=_CALL_TIMEOUT_S * 5)
+    logging.info("learner %d pid %d", m, pid)
+    learners.append(RemoteLearner(
+        m, actor, secret=secret, port=port, metrics=metrics, layout=layout, like=likes,
+        num_devices=math.prod(shape), device_kind="cpu" if settings.devices.platform == "cpu"
+        else settings.devices.platform, incarnation=incarnations.get(m, 0), pid=pid))
+  return learners

@@ -1,0 +1,102 @@
+"""config.runtime=ray: every learner a process of its own (a Ray actor on a local, loopback-only
+Ray), the same learner and syncer code as the threaded runtime."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import ray_runtime
+from decoupled_diloco.runtime import train
+from tests.conftest import tiny_settings
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+  """One local Ray for the module (loopback only; starting one takes seconds)."""
+  ray_runtime.start_ray("", num_learners=2)
+  ray_runtime._started_here = False  # the runs below leave it up  # pylint: disable=protected-access
+  node = ray.nodes()[0]
+  assert node["NodeManagerAddress"] == "127.0.0.1"  # nothing listens beyond loopback
+  yield
+  ray.shutdown()
+
+
+def _settings(tmp_path, **overrides):
+  fields = dict(runtime="ray", num_learners=2, num_steps=32, checkpoint__every_steps=0,
+                learner_mesh_shapes=((1, 1),))
+  fields.update(overrides)
+  return tiny_settings(tmp_path, **fields)
+
+
+@pytest.mark.slow  # the kill test below trains and merges too
+def test_learner_processes_train_and_merge(tmp_path):
+  run = train.build(_settings(tmp_path))
+  pids = [l.pid for l in run.learners]
+  assert len(set(pids)) == 2 and os.getpid() not in pids  # each learner in its own process
+  summary = train.execute(run, progress=False)
+  assert summary["learner_errors"] == [None, None]
+  assert summary["learner_steps"] == [32, 32]
+  assert summary["merges"] >= 8 and summary["double_merged_offers"] == 0
+  assert summary["unmerged_steps_at_end"] == [0, 0]
+  accounting = summary["fragment_token_accounting"]
+  assert accounting["merged"] + accounting["discarded"] == accounting["made"] > 0
+  assert summary["final_eval_loss"] < 5.0  # bytes start at ln(256) = 5.55 nats
+
+
+def test_a_learner_process_killed_with_sigkill_rejoins_and_the_other_trains_on(tmp_path):
+  run = train.build(_settings(tmp_path, num_steps=48, max_restarts=2))
+  killed = {}
+
+  def kill_when_training():
+    victim = run.learners[1]
+    while victim.step < 10:
+      time.sleep(0.01)
+    killed["pid"], killed["step"] = victim.pid, victim.step
+    killed["other_step"] = run.learners[0].step
+    victim.kill()  # kill -9 of the learner's process
+
+  killer = threading.Thread(target=kill_when_training, daemon=True)
+  killer.start()
+  summary = train.execute(run, progress=False)
+  killer.join()
+  assert run.learners[1].pid != killed["pid"]  # Ray started a new process
+  assert run.learners[1].incarnation == 1
+  assert summary["learner_errors"] == [None, None]
+  assert summary["learner_steps"] == [48, 48]
+  assert summary["rejoins"] == 1
+  (failure,) = summary["failures"]
+  assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
+  assert "its process is gone" in failure["error"]
+  # The other learner never stopped: it trained on while learner 1 was down.
+  assert len(run.learners[0].step_times) == 48
+  assert summary["double_merged_offers"] == 0 and summary["merges"] >= 8
+  accounting = summary["fragment_token_accounting"]
+  assert accounting["made"] == sum(accounting[k] for k in (
+      "merged", "discarded", "lost_at_failures", "unmerged_at_end"))
+
+
+def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
+  run = train.build(_settings(tmp_path, num_steps=16))
+  try:
+    learner = run.learners[1]
+    actor = learner._actor  # what another driver would get from ray.get_actor(name)
+    before = learner.published.params
+    forged = ray_runtime.sign(b"not the job's secret", "deliver", 1, 0, "0:1")
+    with pytest.raises(ray.exceptions.RayTaskError, match="without a valid MAC"):
+      bogus = messages.Broadcast(0, 1, {})
+      ray.get(actor.deliver.remote(bogus, 0, forged))
+    stale = ray_runtime.sign(learner._secret, "offer", 1, 5, "0")  # a later incarnation's
+    with pytest.raises(ray.exceptions.RayTaskError, match="for incarnation 5"):
+      ray.get(actor.offer.remote(0, 0, 5, stale))
+    status = ray.get(actor.poll.remote(0.0))
+    assert status["rejected_calls"] == 2
+    after = learner.published.params
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+  finally:
+    ray_runtime.shutdown(run.learners)
