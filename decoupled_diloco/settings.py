@@ -47,6 +47,9 @@ MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")
 DONATE_STATE = ("auto", "always", "never")
 RUNTIMES = ("threads", "ray")
+# What config.runtime=ray fires: a crash is a SIGKILL of the learner's process (random crashes
+# too); the syncer and the checkpoints are in the command's process there, as under threads.
+RAY_FAULTS = ("crash", "syncer_crash", "corrupt_checkpoint")
 ANCHORS = ("learner", "syncer")
 BROADCAST_FORMATS = ("fp32", "bf16")
 
@@ -597,9 +600,11 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
     # What the process runtime runs so far (issue 11): the rest fails here, named.
     if mode != "decoupled":
       _fail("runtime", runtime, f"runs mode='decoupled' only so far, not config.mode={mode!r}")
-    if chaos_settings.enabled:
-      _fail("runtime", runtime, "does not inject config.chaos faults yet: kill a learner's "
-            "process by hand (its pid is logged) or use runtime='threads'")
+    other = sorted({f.kind for f in chaos_settings.faults} - set(RAY_FAULTS))
+    if other:
+      _fail("chaos.schedule", chaos_settings.schedule,
+            f"config.runtime='ray' fires {', '.join(RAY_FAULTS)} faults only so far, not "
+            f"{', '.join(other)} (use runtime='threads')")
     if late_learners:
       _fail("runtime", runtime, "does not hold late learners back yet (config.late_learners)")
   return runtime, RaySettings(address=address)

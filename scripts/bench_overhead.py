@@ -6,6 +6,10 @@ the same run. Target (issue 3): >= 0.97.
 
   python scripts/bench_overhead.py                       # tiny_cpu, 3 pairs of 150-step runs
   python scripts/bench_overhead.py --repeats=5 --num_steps=300
+
+With `--config.runtime=ray` the pairs are instead the same run (syncer included) with learner
+threads and with learner processes (config.runtime=ray), and the figure is processes / threads
+(written to results/bench_overhead_ray.json unless --out says otherwise).
 """
 
 import json
@@ -26,7 +30,10 @@ from experiments import tiny_cpu
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Pairs of runs (no syncer, syncer).")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 150, "Inner steps per learner in each run.")
 _WARMUP = flags.DEFINE_integer("warmup_steps", 10, "Leading steps of each learner left out.")
-_OUT = flags.DEFINE_string("out", "results/bench_overhead.json", "Where to write the result.")
+_OUT = flags.DEFINE_string("out", "", "Where to write the result (default: results/"
+                           "bench_overhead.json, or bench_overhead_ray.json with runtime=ray).")
+_RUNTIME = flags.DEFINE_enum("config.runtime", "threads", ["threads", "ray"],
+                             "threads: syncer vs no syncer; ray: learner processes vs threads.")
 
 
 def _steps_per_s(run, warmup: int) -> float:
@@ -49,37 +56,43 @@ def main(argv):
   jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   start = time.perf_counter()
-  rates = {"no_syncer": [], "syncer": []}
+  processes = _RUNTIME.value == "ray"
+  base, other = ("threads", "ray") if processes else ("no_syncer", "syncer")
+  out = _OUT.value or ("results/bench_overhead_ray.json" if processes
+                       else "results/bench_overhead.json")
+  rates = {base: [], other: []}
   merges = []
   for rep in range(_REPEATS.value):
-    for variant in ("no_syncer", "syncer"):
+    for variant in (base, other):
       config.workdir = f"/tmp/bench_overhead/{variant}_{rep}"
-      run = train.build(settings.validate(config), with_syncer=variant == "syncer")
+      config.runtime = "ray" if variant == "ray" else "threads"
+      run = train.build(settings.validate(config), with_syncer=variant != "no_syncer")
       summary = train.execute(run, progress=False)
       rates[variant].append(_steps_per_s(run, _WARMUP.value))
-      if variant == "syncer":
+      if variant != "no_syncer":
         merges.append(summary["merges"])
       print(f"repeat {rep} {variant:9s}: {rates[variant][-1]:.3f} learner steps/s"
-            + (f", {summary['merges']} merges" if variant == "syncer" else ""), flush=True)
-  pair_ratios = [s / n for s, n in zip(rates["syncer"], rates["no_syncer"])]
+            + (f", {summary['merges']} merges" if variant != "no_syncer" else ""), flush=True)
+  pair_ratios = [s / n for s, n in zip(rates[other], rates[base])]
   ratio = sorted(pair_ratios)[len(pair_ratios) // 2]
   result = {
-      "ratio_syncer_over_no_syncer": ratio,
+      f"ratio_{other}_over_{base}": ratio,
       "pair_ratios": pair_ratios,
       "steps_per_s": rates,
       "merges_per_run": merges,
       "num_learners": config.num_learners,
       "num_steps": config.num_steps,
-      "target": 0.97,
+      "target": None if processes else 0.97,
       "seconds": time.perf_counter() - start,
       "machine": f"{os.cpu_count()} CPU cores",
   }
-  os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-  with open(_OUT.value, "w", encoding="utf-8") as f:
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=2)
-  print(f"learner steps/s with syncer / without: {ratio:.3f} (median of {len(pair_ratios)} pairs "
-        f"{', '.join(f'{r:.3f}' for r in pair_ratios)}; target >= 0.97) -> {_OUT.value}")
-  logging.info("wrote %s", _OUT.value)
+  print(f"learner steps/s {other} / {base}: {ratio:.3f} (median of {len(pair_ratios)} pairs "
+        f"{', '.join(f'{r:.3f}' for r in pair_ratios)}"
+        f"{'' if processes else '; target >= 0.97'}) -> {out}")
+  logging.info("wrote %s", out)
 
 
 if __name__ == "__main__":

@@ -49,32 +49,39 @@ def test_learner_processes_train_and_merge(tmp_path):
   assert summary["final_eval_loss"] < 5.0  # bytes start at ln(256) = 5.55 nats
 
 
-def test_a_learner_process_killed_with_sigkill_rejoins_and_the_other_trains_on(tmp_path):
-  run = train.build(_settings(tmp_path, num_steps=48, max_restarts=2))
+def test_learner_processes_killed_by_chaos_and_by_hand_rejoin_while_the_other_trains_on(tmp_path):
+  """config.chaos crashes learner 0 at step 8 (a SIGKILL of its process); once it is back, learner
+  1's process is killed by hand (kill -9). Ray restarts each process, each learner rejoins from the
+  other's state, and every step is made."""
+  run = train.build(_settings(tmp_path, num_steps=64, max_restarts=2,
+                              learner_step_delays_s=(0.25, 0.25),
+                              chaos__schedule="crash@learner=0,step=8,down_s=1"))
+  first_pids = [l.pid for l in run.learners]
   killed = {}
 
-  def kill_when_training():
-    victim = run.learners[1]
-    while victim.step < 10:
+  def kill_once_the_other_is_back():
+    while run.learners[0].incarnation == 0 or run.learners[0].first_step_done_at is None:
       time.sleep(0.01)
-    killed["pid"], killed["step"] = victim.pid, victim.step
-    killed["other_step"] = run.learners[0].step
-    victim.kill()  # kill -9 of the learner's process
+    killed["step"] = run.learners[1].step
+    run.learners[1].kill()  # kill -9 of the learner's process
 
-  killer = threading.Thread(target=kill_when_training, daemon=True)
+  killer = threading.Thread(target=kill_once_the_other_is_back, daemon=True)
   killer.start()
   summary = train.execute(run, progress=False)
   killer.join()
-  assert run.learners[1].pid != killed["pid"]  # Ray started a new process
-  assert run.learners[1].incarnation == 1
+  assert killed["step"] < 64  # learner 1 was still training when its process was killed
+  # Both processes died and Ray started new ones; each learner is its second incarnation.
+  assert all(l.pid != pid for l, pid in zip(run.learners, first_pids))
+  assert [l.incarnation for l in run.learners] == [1, 1]
   assert summary["learner_errors"] == [None, None]
-  assert summary["learner_steps"] == [48, 48]
-  assert summary["rejoins"] == 1
-  (failure,) = summary["failures"]
-  assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
-  assert "its process is gone" in failure["error"]
-  # The other learner never stopped: it trained on while learner 1 was down.
-  assert len(run.learners[0].step_times) == 48
+  assert summary["learner_steps"] == [64, 64]
+  assert summary["rejoins"] == 2
+  by_learner = {f["learner"]: f for f in summary["failures"]}
+  assert all("its process is gone" in f["error"] for f in by_learner.values())
+  assert by_learner[0]["state_from"] == "learner 1" and by_learner[1]["state_from"] == "learner 0"
+  (crash,) = summary["faults"]
+  assert crash["fault"] == "crash" and crash["learner"] == 0 and crash["step"] >= 8
+  assert crash["repaired_at_s"] >= crash["at_s"] + 1.0  # its down_s
   assert summary["double_merged_offers"] == 0 and summary["merges"] >= 8
   accounting = summary["fragment_token_accounting"]
   assert accounting["made"] == sum(accounting[k] for k in (
@@ -88,14 +95,13 @@ def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
     actor = learner._actor  # what another driver would get from ray.get_actor(name)
     before = learner.published.params
     forged = ray_runtime.sign(b"not the job's secret", "deliver", 1, 0, "0:1")
-    with pytest.raises(ray.exceptions.RayTaskError, match="without a valid MAC"):
-      bogus = messages.Broadcast(0, 1, {})
-      ray.get(actor.deliver.remote(bogus, 0, forged))
+    bogus = messages.Broadcast(0, 1, {})
+    assert ray.get(actor.deliver.remote(bogus, 0, forged)) is False  # fire-and-forget: refused
     stale = ray_runtime.sign(learner._secret, "offer", 1, 5, "0")  # a later incarnation's
     with pytest.raises(ray.exceptions.RayTaskError, match="for incarnation 5"):
       ray.get(actor.offer.remote(0, 0, 5, stale))
     status = ray.get(actor.poll.remote(0.0))
-    assert status["rejected_calls"] == 2
+    assert status["rejected_calls"] == 2  # both logged and counted
     after = learner.published.params
     assert all(np.array_equal(before[n], after[n]) for n in before)
   finally:

@@ -511,7 +511,9 @@ class Learner:
         counter_steps=self._counter_steps.copy(), counter_tokens=self._counter_tokens.copy(),
         anchor_versions=self._anchor_versions.copy(), anchors=dict(self._anchors),
         training=not self._finished, opt_state=state.opt_state, state_step=state.step,
-        data_state=self._data_state)
+        data_state=self._data_state, steps_made=self.steps_made,
+        discarded_fragment_steps=self.discarded_fragment_steps,
+        discarded_fragment_tokens=self.discarded_fragment_tokens)
 
   def data_position(self) -> bytes | None:
     """The data loader's position now (host state: readable after a failure)."""

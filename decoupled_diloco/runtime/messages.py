@@ -86,6 +86,12 @@ class Publication:
   # The data loader's position at `step` (grain iterator state): the next batch is the one after
   # this step's. A checkpoint of the publication resumes the data exactly there.
   data_state: bytes | None = None
+  # At the same instant: steps made by this incarnation and fragment-steps (tokens) the overwrite
+  # on receive discarded. What the accounting keeps of a learner whose process is lost
+  # (runtime/ray_runtime.py): these, consistent with the counters above, not a later reading.
+  steps_made: int = 0
+  discarded_fragment_steps: int = 0
+  discarded_fragment_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import messages
 
@@ -146,7 +147,8 @@ class LearnerProcess:
   """One learner in its own process (the body of the Ray actor; `RemoteLearner` drives it)."""
 
   def __init__(self, settings: settings_lib.RunSettings, index: int, secret: bytes,
-               snapshot: learner_lib.LearnerSnapshot | None = None, incarnation: int = 0):
+               cut=None):
+    """`cut`: this learner's `checkpoints.LearnerCut` in a resumed run (None: from the seed)."""
     from decoupled_diloco.lm import data as data_lib  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import inner  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import model as model_lib  # pylint: disable=g-import-not-at-top
@@ -180,7 +182,9 @@ class LearnerProcess:
         fragments=fragments, syncer=self._outbox, metrics=self._outbox,
         layout=model_lib.param_layout(settings.model), options=train.learner_options(settings, index),
         snapshot=snap, incarnation=inc)
-    self._learner = self._make(snapshot, incarnation)
+    from decoupled_diloco.runtime import job_state  # pylint: disable=g-import-not-at-top
+    snapshot = job_state.learner_snapshot(cut, state) if cut is not None else None
+    self._learner = self._make(snapshot, cut.incarnation if cut is not None else 0)
     self._started = False
 
   # ---- fencing ---------------------------------------------------------------------------------
@@ -231,13 +235,23 @@ class LearnerProcess:
                                                    for n, v in answer.values.items()})
     return answer
 
-  def deliver(self, broadcast: messages.Broadcast, incarnation: int, mac: str) -> None:
-    self._check(mac, "deliver", incarnation, f"{broadcast.fragment}:{broadcast.version}")
+  def deliver(self, broadcast: messages.Broadcast, incarnation: int, mac: str) -> bool:
+    """Fire-and-forget: a rejected call returns False (logged and counted) instead of raising,
+    which nobody would read."""
+    try:
+      self._check(mac, "deliver", incarnation, f"{broadcast.fragment}:{broadcast.version}")
+    except RejectedCall:
+      return False
     self._learner.deliver(broadcast)
+    return True
 
-  def want_full_state(self, seconds: float, incarnation: int, mac: str) -> None:
-    self._check(mac, "want_full_state", incarnation)
+  def want_full_state(self, seconds: float, incarnation: int, mac: str) -> bool:
+    try:
+      self._check(mac, "want_full_state", incarnation)
+    except RejectedCall:
+      return False
     self._learner.want_full_state(seconds)
+    return True
 
   def published(self, full: bool, timeout_s: float, incarnation: int, mac: str):
     """The latest publication in host arrays (with the optimizer state if `full`), or None."""
@@ -262,11 +276,15 @@ class LearnerProcess:
     """What happened since the last poll: posts, metrics records, and the learner's status."""
     posts, records = self._outbox.take(timeout_s)
     learner = self._learner
-    counters = learner.counters()
+    # One instant for the accounting: the latest publication's counters, steps and discards (a
+    # process lost after this poll loses what it did since; reading the live fields one by one
+    # could count a step made in between in one and not in the other).
+    published = learner.published
     error = learner.error
     return {
         "incarnation": learner.incarnation, "posts": posts, "records": records,
-        "step": learner.step, "steps_made": learner.steps_made, "start_step": learner.start_step,
+        "step": learner.step, "steps_made": published.steps_made,
+        "start_step": learner.start_step,
         "losses": len(learner.losses), "new_losses": list(learner.losses[-64:]),
         "step_times": list(learner.step_times[-64:]), "step_ends": list(learner.step_ends[-64:]),
         "num_steps_done": len(learner.step_times),
@@ -275,11 +293,12 @@ class LearnerProcess:
         "error": None if error is None else repr(error),
         "finished_training": learner.finished_training.is_set(),
         "thread_alive": learner.alive or not self._started,
-        "discarded_fragment_tokens": learner.discarded_fragment_tokens,
-        "discarded_fragment_steps": learner.discarded_fragment_steps,
+        "discarded_fragment_tokens": published.discarded_fragment_tokens,
+        "discarded_fragment_steps": published.discarded_fragment_steps,
         "barrier_wait_s": learner.barrier_wait_s,
-        "counters": (counters.steps, counters.tokens, counters.anchor_versions),
-        "data_state": learner.published.data_state, "published_step": learner.published.step,
+        "counters": (published.counter_steps, published.counter_tokens,
+                     published.anchor_versions),
+        "data_state": published.data_state, "published_step": published.step,
         "offers_made": learner.offers_made, "rejected_calls": self.rejected_calls,
     }
 
@@ -336,7 +355,7 @@ class RemoteLearner:
 
   def __init__(self, index: int, actor, *, secret: bytes, port, metrics, layout, like,
                num_devices: int, device_kind: str, incarnation: int = 0, pid: int | None = None,
-               data_state: bytes | None = None):
+               data_state: bytes | None = None, step_hook=None):
     self.index, self.incarnation = index, incarnation
     self._actor, self._secret, self._port, self._metrics = actor, secret, port, metrics
     self.layout, self.state_like = layout, like
@@ -357,6 +376,9 @@ class RemoteLearner:
     self._offers_made = None
     self.data_state = data_state
     self._up_ref = None  # a pid call in flight (process_up)
+    # config.chaos: called as hook(learner, step) for each step the watcher sees; a crash it
+    # raises (injector.LearnerFailure) becomes a SIGKILL of the learner's process.
+    self._step_hook = step_hook
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._watch, name=f"watch-learner-{index}", daemon=True)
     self._refresh(self._call_get("poll", 0.0))
@@ -460,7 +482,8 @@ class RemoteLearner:
     return RemoteLearner(self.index, self._actor, secret=self._secret, port=self._port,
                          metrics=self._metrics, layout=self.layout, like=self.state_like,
                          num_devices=self.num_devices, device_kind=self.device_kind,
-                         incarnation=incarnation, pid=pid, data_state=snapshot.data_state)
+                         incarnation=incarnation, pid=pid, data_state=snapshot.data_state,
+                         step_hook=self._step_hook)
 
   def process_up(self) -> bool:
     """Whether this learner's process answers (after a death: whether Ray has restarted it and its
@@ -505,7 +528,14 @@ class RemoteLearner:
         return
       if status["incarnation"] != self.incarnation:
         continue  # the process was restored for a later incarnation: this view is retired
+      seen = self.step
       self._refresh(status)
+      if self._step_hook is not None and self.step != seen and self.pid is not None:
+        try:
+          self._step_hook(self.index, self.step)
+        except injector_lib.LearnerFailure as failure:
+          logging.warning("%s: SIGKILL to its process, pid %d", failure, self.pid)
+          self.kill()
       for message in status["posts"]:
         self._port.post(message)
       for kind, record, step, scalars in status["records"]:
@@ -542,8 +572,8 @@ class RemoteLearner:
 
 
 def start_learners(settings: settings_lib.RunSettings, *, port, metrics, layout, likes,
-                   snapshots: dict[int, learner_lib.LearnerSnapshot],
-                   incarnations: dict[int, int]) -> list[RemoteLearner]:
+                   cuts: dict[int, Any], step_hook=None) -> list[RemoteLearner]:
+  """`cuts`: learner -> its `checkpoints.LearnerCut` in a resumed run."""
   """One actor per learner, each in its own process; logs `learner M pid N` for each."""
   import ray  # pylint: disable=g-import-not-at-top
   secret = secrets.token_bytes(32)  # this job's: only this driver and its actors hold it
@@ -556,7 +586,7 @@ def start_learners(settings: settings_lib.RunSettings, *, port, metrics, layout,
     actors.append(actor_class.options(
         name=f"learner-{m}-{secrets.token_hex(4)}", max_restarts=max(settings.max_restarts, 0),
         max_concurrency=8, num_cpus=1, runtime_env={"env_vars": env},
-    ).remote(settings, m, secret, snapshots.get(m), incarnations.get(m, 0)))
+    ).remote(settings, m, secret, cuts.get(m)))
   learners = []
   for m, actor in enumerate(actors):
     pid = ray.get(actor.pid.remote(), timeout=_CALL_TIMEOUT_S * 5)
@@ -564,5 +594,7 @@ def start_learners(settings: settings_lib.RunSettings, *, port, metrics, layout,
     learners.append(RemoteLearner(
         m, actor, secret=secret, port=port, metrics=metrics, layout=layout, like=likes,
         num_devices=math.prod(shape), device_kind="cpu" if settings.devices.platform == "cpu"
-        else settings.devices.platform, incarnation=incarnations.get(m, 0), pid=pid))
+        else settings.devices.platform,
+        incarnation=cuts[m].incarnation if m in cuts else 0, pid=pid,
+        step_hook=step_hook))
   return learners

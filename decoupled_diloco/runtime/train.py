@@ -145,10 +145,6 @@ def build(settings: settings_lib.RunSettings, *,
     history["resumes"] = list(history["resumes"]) + [
         {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped}]
   in_processes = settings.runtime == "ray"
-  if in_processes and restored is not None:
-    raise ValueError(f"config.runtime='ray' does not resume from a checkpoint yet ({restored.path}); "
-                     "resume with config.runtime='threads' or start afresh (config.restore='none' "
-                     "and an empty config.checkpoint.dir)")
   # With learner processes (config.runtime=ray) this process holds the syncer and one CPU device
   # for the model's initialisation and the evaluations; each learner makes its own mesh.
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
@@ -237,9 +233,11 @@ def build(settings: settings_lib.RunSettings, *,
   if in_processes:
     ray_runtime.start_ray(settings.ray.address, settings.num_learners)
     learners = ray_runtime.start_learners(settings, port=port, metrics=metrics, layout=layout,
-                                          likes=None, snapshots={}, incarnations={})
+                                          likes=None, cuts=learner_cuts, step_hook=step_hook)
     for learner in learners:
-      syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation)
+      cut = learner_cuts.get(learner.index)
+      syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation,
+                    anchor_versions=learner.counters().anchor_versions if cut else None)
   for index, (train_step, state, shardings, batches) in enumerate(built):
     options = learner_options(settings, index)
     cut = learner_cuts.get(index)
@@ -264,8 +262,10 @@ def build(settings: settings_lib.RunSettings, *,
   supervisor, keeper, restarter = None, None, None
   repaired_at = injector.repaired_at if injector is not None else lambda _: 0.0
   if in_processes:
-    # A learner process is repaired once Ray has restarted it (runtime/ray_runtime.py).
-    repaired_at = lambda m: 0.0 if learners[m].process_up() else math.inf  # noqa: E731
+    # A learner process is repaired once its devices are back (config.chaos's down_s) and Ray has
+    # restarted it (runtime/ray_runtime.py).
+    devices_back = repaired_at
+    repaired_at = lambda m: devices_back(m) if learners[m].process_up() else math.inf  # noqa: E731
   if syncer is not None and not sync.lock_step:
     keeper = keeper_lib.SyncerKeeper(
         syncer=syncer, port=port, make_syncer=make_syncer, learners=learners,
