@@ -50,13 +50,15 @@ def test_learner_processes_train_and_merge(tmp_path):
 
 
 def test_learner_processes_killed_by_chaos_and_by_hand_rejoin_while_the_other_trains_on(tmp_path):
-  """config.chaos crashes learner 0 at step 8 (a SIGKILL of its process); once it is back, learner
-  1's process is killed by hand (kill -9). Ray restarts each process, each learner rejoins from the
-  other's state, and every step is made."""
-  run = train.build(_settings(tmp_path, num_steps=64, max_restarts=2,
-                              learner_step_delays_s=(0.25, 0.25),
-                              chaos__schedule="crash@learner=0,step=8,down_s=1"))
+  """config.chaos crashes learner 0 at step 8 and the syncer at 5 s (SIGKILLs of their
+  processes); once learner 0 is back, learner 1's process is killed by hand (kill -9). Ray
+  restarts each process, each learner rejoins from the other's state, the syncer is restored, and
+  every step is made."""
+  run = train.build(_settings(
+      tmp_path, num_steps=64, max_restarts=2, learner_step_delays_s=(0.25, 0.25),
+      chaos__schedule="crash@learner=0,step=8,down_s=1;syncer_crash@second=5,down_s=1"))
   first_pids = [l.pid for l in run.learners]
+  syncer_pid = run.syncer.pid
   killed = {}
 
   def kill_once_the_other_is_back():
@@ -79,9 +81,14 @@ def test_learner_processes_killed_by_chaos_and_by_hand_rejoin_while_the_other_tr
   by_learner = {f["learner"]: f for f in summary["failures"]}
   assert all("its process is gone" in f["error"] for f in by_learner.values())
   assert by_learner[0]["state_from"] == "learner 1" and by_learner[1]["state_from"] == "learner 0"
-  (crash,) = summary["faults"]
+  crash, syncer_crash = sorted(summary["faults"], key=lambda f: f["fault"])
   assert crash["fault"] == "crash" and crash["learner"] == 0 and crash["step"] >= 8
   assert crash["repaired_at_s"] >= crash["at_s"] + 1.0  # its down_s
+  # The syncer's process was killed too (SIGKILL), restarted by Ray and restored; training and
+  # merging went on.
+  assert syncer_crash["fault"] == "syncer_crash" and summary["syncer_restarts"] == 1
+  assert run.syncer.pid != syncer_pid
+  assert len(run.syncer.tape) == summary["merges"] > 8
   assert summary["double_merged_offers"] == 0 and summary["merges"] >= 8
   accounting = summary["fragment_token_accounting"]
   assert accounting["made"] == sum(accounting[k] for k in (
@@ -104,5 +111,15 @@ def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
     assert status["rejected_calls"] == 2  # both logged and counted
     after = learner.published.params
     assert all(np.array_equal(before[n], after[n]) for n in before)
+    # The syncer's process, looked up by name as another driver would, takes no post without
+    # the job's MAC: an outsider's offer (a lock-step push) and its step report are refused.
+    syncer = ray.get_actor(run.syncer.name)
+    offer = messages.Offer(learner=0, fragment=0, step=5, since=0, steps=5, tokens=640,
+                           anchor_version=0, values={}, anchor={}, incarnation=0)
+    report = messages.StepReport(0, 5, 0.1, 128, incarnation=0)
+    forged = ray_runtime.sign(b"not the job's secret", "post", 0, 0, "Offer")
+    assert ray.get(syncer.post.remote(offer, forged)) is False
+    assert ray.get(syncer.post.remote(report, "0" * 64)) is False
+    assert ray.get(syncer.poll.remote(0, 0.0))["rejected_calls"] == 2
   finally:
-    ray_runtime.shutdown(run.learners)
+    ray_runtime.shutdown(list(run.learners) + [run.syncer])

@@ -96,13 +96,13 @@ def start_ray(address: str, num_learners: int) -> None:
 
 
 def shutdown(learners) -> None:
-  """Ends the learners' processes (and the local Ray this command started, if it did)."""
+  """Ends the learners' (and the syncer's) processes, and the local Ray this command started."""
   import ray  # pylint: disable=g-import-not-at-top
   if not ray.is_initialized():
     return
-  for learner in learners:
-    if isinstance(learner, RemoteLearner):
-      learner.end()
+  for part in learners:
+    if hasattr(part, "end"):
+      part.end()
   if _started_here:
     ray.shutdown()
 
@@ -313,11 +313,17 @@ class RemoteDevice:
     return None
 
 
-class LearnerProcessDied(RuntimeError):
-  """The learner's process is gone (killed, out of memory, its host lost)."""
+class ProcessDied(RuntimeError):
+  """A learner's or the syncer's process is gone (killed, out of memory, its host lost)."""
 
 
-class _PendingRay(messages.PendingAnswer):
+class LearnerProcessDied(ProcessDied):
+  """The learner's process is gone."""
+
+
+class PendingRay(messages.PendingAnswer):
+  """An actor call's answer to a pull, on its way through the object store."""
+
   def __init__(self, ref):
     self._ref = ref
 
@@ -335,9 +341,9 @@ class _PendingRay(messages.PendingAnswer):
       return messages.Answer.UNREACHABLE  # the process died or refused: ask again later
 
 
-def _wait_until_up(actor, index: int, timeout_s: float = 5 * _CALL_TIMEOUT_S) -> int:
-  """Waits while Ray restarts the learner's process (its constructor builds a fresh learner);
-  returns its pid."""
+def wait_until_up(actor, name: str, timeout_s: float = 5 * _CALL_TIMEOUT_S) -> int:
+  """Waits while Ray restarts an actor's process (its constructor builds afresh); returns its
+  pid."""
   import ray  # pylint: disable=g-import-not-at-top
   deadline = time.monotonic() + timeout_s
   while True:
@@ -345,8 +351,36 @@ def _wait_until_up(actor, index: int, timeout_s: float = 5 * _CALL_TIMEOUT_S) ->
       return ray.get(actor.pid.remote(), timeout=timeout_s)
     except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
       if time.monotonic() > deadline:
-        raise RuntimeError(f"learner {index}: its process did not come back within {timeout_s} s")
+        raise RuntimeError(f"{name}: its process did not come back within {timeout_s} s")
       time.sleep(0.2)
+
+
+class ActorLearnerLink:
+  """The syncer's `LearnerLink` to a learner process (used in the syncer's process): signed actor
+  calls, answers through the object store."""
+
+  def __init__(self, actor, index: int, incarnation: int, secret: bytes):
+    self._actor, self._index, self._incarnation, self._secret = actor, index, incarnation, secret
+
+  def _mac(self, method: str, detail: str = "") -> str:
+    return sign(self._secret, method, self._index, self._incarnation, detail)
+
+  def offer(self, p: int, merged_through: int) -> messages.PendingAnswer:
+    return PendingRay(self._actor.offer.remote(p, merged_through, self._incarnation,
+                                               self._mac("offer", f"{p}")))
+
+  def deliver(self, broadcast: messages.Broadcast) -> None:
+    self._actor.deliver.remote(broadcast, self._incarnation,
+                               self._mac("deliver", f"{broadcast.fragment}:{broadcast.version}"))
+
+  def want_full_state(self, seconds: float) -> None:
+    self._actor.want_full_state.remote(seconds, self._incarnation, self._mac("want_full_state"))
+
+  @property
+  def published(self) -> messages.Publication:
+    import ray  # pylint: disable=g-import-not-at-top
+    return ray.get(self._actor.published.remote(False, 0.0, self._incarnation,
+                                                self._mac("published")), timeout=_CALL_TIMEOUT_S)
 
 
 class RemoteLearner:
@@ -398,16 +432,10 @@ class RemoteLearner:
     import ray  # pylint: disable=g-import-not-at-top
     return ray.get(self._call(method, *args, detail=detail), timeout=timeout)
 
-  # ---- LearnerLink -----------------------------------------------------------------------------
-
-  def offer(self, p: int, merged_through: int) -> messages.PendingAnswer:
-    return _PendingRay(self._call("offer", p, merged_through, detail=f"{p}"))
-
-  def deliver(self, broadcast: messages.Broadcast) -> None:
-    self._call("deliver", broadcast, detail=f"{broadcast.fragment}:{broadcast.version}")
-
-  def want_full_state(self, seconds: float) -> None:
-    self._call("want_full_state", seconds)
+  @property
+  def actor(self):
+    """The learner's actor (the syncer's process calls it through an `ActorLearnerLink`)."""
+    return self._actor
 
   @property
   def published(self) -> messages.Publication:
@@ -474,7 +502,7 @@ class RemoteLearner:
       snapshot = dataclasses.replace(snapshot, data_state=self.data_state)
     incarnation = self.incarnation + 1
     import ray  # pylint: disable=g-import-not-at-top
-    _wait_until_up(self._actor, self.index)
+    wait_until_up(self._actor, f"learner {self.index}")
     pid = ray.get(self._actor.restore.remote(
         snapshot, incarnation, sign(self._secret, "restore", self.index, incarnation)),
                   timeout=_CALL_TIMEOUT_S * 5)
@@ -571,12 +599,13 @@ class RemoteLearner:
       self.finished_training.set()
 
 
-def start_learners(settings: settings_lib.RunSettings, *, port, metrics, layout, likes,
+def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, metrics, layout,
                    cuts: dict[int, Any], step_hook=None) -> list[RemoteLearner]:
-  """`cuts`: learner -> its `checkpoints.LearnerCut` in a resumed run."""
-  """One actor per learner, each in its own process; logs `learner M pid N` for each."""
+  """One actor per learner, each in its own process; logs `learner M pid N` for each.
+
+  `secret`: this job's MAC key (only the command, its syncer and its learners hold it); `cuts`:
+  learner -> its `checkpoints.LearnerCut` in a resumed run."""
   import ray  # pylint: disable=g-import-not-at-top
-  secret = secrets.token_bytes(32)  # this job's: only this driver and its actors hold it
   actor_class = ray.remote(LearnerProcess)
   actors = []
   for m, shape in enumerate(settings.learner_mesh_shapes):
@@ -592,8 +621,9 @@ def start_learners(settings: settings_lib.RunSettings, *, port, metrics, layout,
     pid = ray.get(actor.pid.remote(), timeout=_CALL_TIMEOUT_S * 5)
     logging.info("learner %d pid %d", m, pid)
     learners.append(RemoteLearner(
-        m, actor, secret=secret, port=port, metrics=metrics, layout=layout, like=likes,
-        num_devices=math.prod(shape), device_kind="cpu" if settings.devices.platform == "cpu"
+        m, actor, secret=secret, port=port, metrics=metrics, layout=layout, like=None,
+        num_devices=math.prod(settings.learner_mesh_shapes[m]),
+        device_kind="cpu" if settings.devices.platform == "cpu"
         else settings.devices.platform,
         incarnation=cuts[m].incarnation if m in cuts else 0, pid=pid,
         step_hook=step_hook))

@@ -128,8 +128,11 @@ class SyncerKeeper:
   def _crash(self, fault: chaos.Fault, now: float) -> None:
     crashed = self.syncer
     self._port.connect(None)
-    crashed.stop()
-    crashed.join(timeout=30)
+    if hasattr(crashed, "kill"):
+      crashed.kill()  # a syncer process (runtime=ray): SIGKILL, as a real crash
+    else:
+      crashed.stop()
+      crashed.join(timeout=30)
     self._pending_state = None
     record = {"fault": "syncer_crash", "learner": None, "step": None,
               "at_s": self._elapsed(now), "source": fault.source, "down_s": round(fault.down_s, 3)}

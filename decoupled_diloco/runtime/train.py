@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import secrets
 import signal
 import threading
 import time
@@ -49,6 +50,7 @@ from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
+from decoupled_diloco.runtime import ray_syncer
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.runtime import syncer_keeper as keeper_lib
@@ -200,19 +202,18 @@ def build(settings: settings_lib.RunSettings, *,
     built.append((train_step, state, shardings, batches))
   syncer, port = None, None
 
-  def make_syncer() -> syncer_lib.Syncer:
-    """A syncer at the initial Theta, compiled (at start-up, and again after a crash)."""
-    made = syncer_lib.Syncer(
-        sync=sync, fragments=fragments, mesh=syncer_mesh,
-        # Theta and the outer state are float32 whatever config.model.param_dtype.
-        initial_params={n: np.asarray(v, np.float32) for n, v in layout.to_flat(initial).items()},
-        outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
-                                            settings.outer.momentum),
-        merge=settings.merge, compression=settings.compression,
-        num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
-        metrics=metrics, network=network)
-    made.compile()
-    return made
+  secret = secrets.token_bytes(32)  # runtime=ray: this job's MAC key (runtime/ray_runtime.py)
+  if in_processes:
+    ray_runtime.start_ray(settings.ray.address, settings.num_learners)
+
+  def make_syncer():
+    """A syncer at the initial Theta, compiled (at start-up, and again after a crash): in this
+    process, or (runtime=ray) a process of its own, which after a crash Ray has restarted."""
+    if in_processes:
+      return ray_syncer.start_syncer(settings, secret, metrics) if syncer is None \
+          else ray_syncer.restarted(syncer)
+    return make_local_syncer(settings, metrics=metrics, network=network, initial=initial,
+                             syncer_mesh=syncer_mesh)
 
   if sync is not None:
     syncer = make_syncer()
@@ -231,9 +232,8 @@ def build(settings: settings_lib.RunSettings, *,
     return supervisor_box[0] is not None and supervisor_box[0].repairing
 
   if in_processes:
-    ray_runtime.start_ray(settings.ray.address, settings.num_learners)
-    learners = ray_runtime.start_learners(settings, port=port, metrics=metrics, layout=layout,
-                                          likes=None, cuts=learner_cuts, step_hook=step_hook)
+    learners = ray_runtime.start_learners(settings, secret=secret, port=port, metrics=metrics,
+                                          layout=layout, cuts=learner_cuts, step_hook=step_hook)
     for learner in learners:
       cut = learner_cuts.get(learner.index)
       syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation,
@@ -321,6 +321,35 @@ def build(settings: settings_lib.RunSettings, *,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
              history, restored, keeper, corrupter, restarter=restarter, data_info=data_info)
+
+
+def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=None,
+                      initial: dict[str, np.ndarray] | None = None, syncer_mesh=None
+                      ) -> syncer_lib.Syncer:
+  """A syncer at the initial Theta, compiled, in this process: the controller's (runtime=threads)
+  or the syncer process's own (runtime=ray, which passes neither `initial` nor `syncer_mesh`:
+  it makes its mesh of this process's CPU devices and the initial parameters from the seed)."""
+  model_cfg, sync = settings.model, settings.sync
+  if initial is None or syncer_mesh is None:
+    (init_mesh,), syncer_mesh = devices_lib.build_meshes(
+        ((1, 1),), settings.syncer.num_devices, "cpu")
+    _, params = model_lib.init_params(model_cfg, init_mesh, settings.seed)
+    initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+  fragments = fragments_lib.partition(
+      model_lib.param_shapes(model_cfg), sync.num_fragments, sync.fragmentation,
+      embedding_names=(model_lib.EMBEDDING_NAME,))
+  layout = model_lib.param_layout(model_cfg)
+  made = syncer_lib.Syncer(
+      sync=sync, fragments=fragments, mesh=syncer_mesh,
+      # Theta and the outer state are float32 whatever config.model.param_dtype.
+      initial_params={n: np.asarray(v, np.float32) for n, v in layout.to_flat(initial).items()},
+      outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
+                                          settings.outer.momentum),
+      merge=settings.merge, compression=settings.compression,
+      num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
+      metrics=metrics, network=network)
+  made.compile()
+  return made
 
 
 def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef, initial, tx,
@@ -487,12 +516,12 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       learner.release()
     for learner in learners:
       learner.join()
-    if settings.runtime == "ray":
-      ray_runtime.shutdown(learners)
     if syncer is not None:
       syncer.stop()
       syncer.join()
       _check_syncer(syncer)
+    if settings.runtime == "ray":
+      ray_runtime.shutdown(list(learners) + [syncer])
     saver.close()
   except BaseException:
     _shut_down(run)
@@ -787,10 +816,10 @@ def _shut_down(run: Run) -> None:
     run.syncer.stop()
   for learner in run.learners:
     learner.join(timeout=30)
-  if run.settings.runtime == "ray":
-    ray_runtime.shutdown(run.learners)
   if run.syncer is not None:
     run.syncer.join(timeout=30)
+  if run.settings.runtime == "ray":
+    ray_runtime.shutdown(list(run.learners) + [run.syncer])
   run.metrics.close()
 
 

@@ -1,0 +1,337 @@
+"""The syncer as a process of its own (config.runtime=ray): a Ray actor on CPU with its own mesh.
+
+The `Syncer` is the same class as in the threaded runtime, built by the same `train.make_syncer`
+steps, in a process whose JAX has `config.syncer.num_devices` CPU devices. Its links to the
+learners (`LearnerLink`) are `ActorLearnerLink`s: actor calls on the learners' processes, signed
+with the job's secret, answered through the object store (`messages.PendingAnswer`). The command's
+process keeps the controller; `RemoteSyncer` is its handle, read as it reads a `Syncer`:
+
+- the learners' posts reach the syncer through the command (its watchers collect them, sign them
+  and post them here, fire-and-forget); a post without a valid MAC (an outsider that looked the
+  syncer actor up by name) is rejected, logged and counted (`rejected_calls`);
+- a watcher thread keeps what the controller reads between calls: the merge counters (`stats`),
+  the merge tape as it grows, the syncer's metrics records (written to the command's
+  metrics.jsonl) and its error;
+- at `stop()` it takes the final figures (Theta, the tape, held bytes) before the process ends, so
+  the final evaluation and the summary read them as they read a stopped `Syncer`.
+
+A syncer process that dies (config.chaos's `syncer_crash` is a SIGKILL of it here) is restarted by
+Ray; its constructor builds a fresh syncer at the initial Theta, and the controller's unchanged
+`SyncerKeeper` restores it from its newest syncer checkpoint and the learners' anchors.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import hmac
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import ray_runtime
+
+_POLL_S = 0.1  # the longest a watcher's call waits in the syncer's process for news
+_CALL_TIMEOUT_S = 120.0
+
+
+class _Records:
+  """The syncer's metrics writer in its process: records wait for the command's watcher."""
+
+  def __init__(self):
+    self._records: collections.deque = collections.deque()
+    self.news = threading.Condition()
+
+  def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
+            scalars: dict[str, float] | None = None) -> None:
+    with self.news:
+      self._records.append((kind, record, step, scalars))
+      self.news.notify_all()
+
+  def take(self, timeout_s: float) -> list:
+    with self.news:
+      if not self._records:
+        self.news.wait(timeout_s)
+      records = list(self._records)
+      self._records.clear()
+    return records
+
+
+class SyncerProcess:
+  """The syncer in its own process (the body of the Ray actor; `RemoteSyncer` drives it)."""
+
+  def __init__(self, settings: settings_lib.RunSettings, secret: bytes):
+    from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
+    self._secret = secret
+    self.rejected_calls = 0
+    self._records = _Records()
+    self.syncer = train.make_local_syncer(settings, metrics=self._records)
+
+  def _check(self, mac: str, method: str, learner: int, incarnation: int, detail: str = ""
+             ) -> bool:
+    expected = ray_runtime.sign(self._secret, method, learner, incarnation, detail)
+    if hmac.compare_digest(mac, expected):
+      return True
+    self.rejected_calls += 1
+    logging.warning("syncer: rejected a %s call for learner %d without a valid MAC (not from this "
+                    "job's driver); %d rejected so far", method, learner, self.rejected_calls)
+    return False
+
+  def pid(self) -> int:
+    return os.getpid()
+
+  def compile_seconds(self) -> float:
+    return self.syncer.compile_seconds
+
+  def post(self, message: Any, mac: str) -> bool:
+    """A learner's message, forwarded and signed by the command. False: rejected."""
+    learner = getattr(message, "learner", -1)
+    incarnation = getattr(message, "incarnation", 0)
+    if not self._check(mac, "post", learner, incarnation, type(message).__name__):
+      return False
+    self.syncer.post(message)
+    return True
+
+  def attach(self, learner: int, actor, step: int, incarnation: int,
+             anchor_versions: np.ndarray | None, mac: str) -> bool:
+    if not self._check(mac, "attach", learner, incarnation):
+      return False
+    link = ray_runtime.ActorLearnerLink(actor, learner, incarnation, self._secret)
+    self.syncer.attach(learner, link, step=step, incarnation=incarnation,
+                       anchor_versions=anchor_versions)
+    return True
+
+  def start(self) -> None:
+    self.syncer.start()
+
+  def give_up(self, learner: int) -> None:
+    self.syncer.give_up(learner)
+
+  def catch_up(self) -> None:
+    self.syncer.catch_up()
+
+  def flush(self, timeout: float | None) -> bool:
+    return self.syncer.flush(timeout)
+
+  def request_cut(self, timeout_s: float, include_tape: bool):
+    return self.syncer.request_cut(timeout_s, include_tape).result()
+
+  def request_state(self):
+    return self.syncer.request_state().result()
+
+  def load_state(self, state, with_history: bool) -> None:
+    self.syncer.load_state(state, with_history=with_history)
+
+  def recover(self, state, publications, stats, tape) -> dict[str, Any]:
+    return self.syncer.recover(state, publications, stats=stats, tape=tape)
+
+  def received(self):
+    return self.syncer.model.received()
+
+  def global_params(self) -> dict[str, np.ndarray]:
+    return self.syncer.global_params()
+
+  def final(self) -> dict[str, Any]:
+    """What the summary reads of a stopped syncer."""
+    syncer = self.syncer
+    return {"params": syncer.global_params(), "held_bytes": syncer.held_bytes(),
+            "steady_state_bytes": syncer.steady_state_bytes(), "stats": syncer.stats,
+            "tape": list(syncer.tape)}
+
+  def stop(self) -> None:
+    self.syncer.stop()
+    self.syncer.join(timeout=30)
+
+  def poll(self, tape_from: int, timeout_s: float) -> dict[str, Any]:
+    """Since the last poll: metrics records, the tape's new entries, the counters, the error."""
+    records = self._records.take(timeout_s)
+    syncer = self.syncer
+    tape = syncer.tape[tape_from:]
+    error = syncer.error
+    return {"records": records, "tape": list(tape), "stats": dataclasses.replace(syncer.stats),
+            "error": None if error is None else repr(error), "clock": syncer.clock,
+            "rejected_calls": self.rejected_calls}
+
+
+class _RemoteModel:
+  """`Syncer.model` as the controller reads it: Theta as the learners received it."""
+
+  def __init__(self, owner: "RemoteSyncer"):
+    self._owner = owner
+
+  def received(self):
+    return self._owner.get("received")
+
+
+class RemoteSyncer:
+  """The command's handle on the syncer's process, read as a `Syncer` is read."""
+
+  def __init__(self, actor, secret: bytes, metrics, *, stats=None, tape=None):
+    from decoupled_diloco.runtime import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
+    self._actor, self._secret, self._metrics = actor, secret, metrics
+    self.pid = self.get("pid")
+    self.compile_seconds = self.get("compile_seconds")
+    self.model = _RemoteModel(self)
+    self.stats = stats if stats is not None else syncer_lib.SyncerStats()
+    self.tape: list[dict[str, Any]] = tape if tape is not None else []
+    self.error: BaseException | None = None
+    self.clock = 0
+    self.rejected_calls = 0
+    self._final: dict[str, Any] | None = None
+    self._stopped = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name="watch-syncer", daemon=True)
+    logging.info("syncer pid %d", self.pid)
+
+  def get(self, method: str, *args, timeout: float = _CALL_TIMEOUT_S):
+    import ray  # pylint: disable=g-import-not-at-top
+    return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
+
+  # ---- what the controller calls ---------------------------------------------------------------
+
+  def post(self, message: Any) -> None:
+    mac = ray_runtime.sign(self._secret, "post", getattr(message, "learner", -1),
+                           getattr(message, "incarnation", 0), type(message).__name__)
+    self._actor.post.remote(message, mac)
+
+  def attach(self, learner: int, link, step: int = 0, incarnation: int = 0,
+             anchor_versions: np.ndarray | None = None) -> None:
+    mac = ray_runtime.sign(self._secret, "attach", learner, incarnation)
+    self.get("attach", learner, link.actor, step, incarnation, anchor_versions, mac)
+
+  def start(self) -> None:
+    self.get("start")
+    self._thread.start()
+
+  def give_up(self, learner: int) -> None:
+    self.get("give_up", learner)
+
+  def catch_up(self) -> None:
+    self.get("catch_up")
+
+  def compile(self) -> None:
+    pass  # compiled in its process, at construction
+
+  def flush(self, timeout: float | None = None) -> bool:
+    done = self.get("flush", timeout, timeout=(timeout or _CALL_TIMEOUT_S) + _CALL_TIMEOUT_S)
+    self._raise_error()
+    return done
+
+  def _future(self, method: str, *args) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def resolve():
+      try:
+        future.set_result(self.get(method, *args, timeout=None))
+      except BaseException as err:  # pylint: disable=broad-except
+        future.set_exception(err)
+
+    threading.Thread(target=resolve, daemon=True).start()
+    return future
+
+  def request_cut(self, timeout_s: float, include_tape: bool = True) -> concurrent.futures.Future:
+    return self._future("request_cut", timeout_s, include_tape)
+
+  def request_state(self) -> concurrent.futures.Future:
+    return self._future("request_state")
+
+  def load_state(self, state, *, with_history: bool) -> None:
+    self.get("load_state", state, with_history)
+
+  def recover(self, state, publications, *, stats, tape) -> dict[str, Any]:
+    self.stats, self.tape = stats, list(tape)
+    return self.get("recover", state, publications, stats, tape)
+
+  def global_params(self) -> dict[str, np.ndarray]:
+    if self._final is not None:
+      return self._final["params"]
+    return self.get("global_params")
+
+  def held_bytes(self) -> int:
+    return self._final["held_bytes"] if self._final is not None else 0
+
+  def steady_state_bytes(self) -> int:
+    return self._final["steady_state_bytes"] if self._final is not None else 0
+
+  def stop(self) -> None:
+    """Takes the final figures, then stops the syncer (its process ends with the run)."""
+    if self._final is None and self.error is None and not self._stopped.is_set():
+      try:
+        self._final = self.get("final")
+        self.stats, self.tape = self._final["stats"], self._final["tape"]
+        self.get("stop")
+      except Exception:  # pylint: disable=broad-except
+        pass  # its process is gone: what the watcher kept stands
+    self._stopped.set()
+
+  def join(self, timeout: float | None = None) -> None:
+    if self._thread.ident is not None:
+      self._thread.join(timeout)
+
+  def kill(self) -> None:
+    """SIGKILL to the syncer's process (config.chaos's syncer_crash under runtime=ray)."""
+    self._stopped.set()
+    os.kill(self.pid, signal.SIGKILL)
+
+  def end(self) -> None:
+    import ray  # pylint: disable=g-import-not-at-top
+    self._stopped.set()
+    ray.kill(self._actor, no_restart=True)
+
+  # ---- the watcher -----------------------------------------------------------------------------
+
+  def _raise_error(self) -> None:
+    if self.error is not None:
+      raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error
+
+  def _watch(self) -> None:
+    while not self._stopped.is_set():
+      try:
+        status = self.get("poll", len(self.tape), _POLL_S)
+      except Exception as err:  # pylint: disable=broad-except
+        if not self._stopped.is_set():
+          self.error = ray_runtime.ProcessDied(
+              f"the syncer's process (pid {self.pid}) is gone ({type(err).__name__})")
+        return
+      if self._stopped.is_set():
+        return
+      self.tape.extend(status["tape"])
+      self.stats, self.clock = status["stats"], status["clock"]
+      self.rejected_calls = status["rejected_calls"]
+      for kind, record, step, scalars in status["records"]:
+        self._metrics.write(kind, record, step=step, scalars=scalars)
+      if status["error"] is not None:
+        self.error = RuntimeError(status["error"])
+        return
+
+
+def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> RemoteSyncer:
+  """The syncer actor on CPU with its own devices; logs `syncer pid N`."""
+  import ray  # pylint: disable=g-import-not-at-top
+  name = f"syncer-{os.urandom(4).hex()}"
+  # Its mesh's devices, and one more that initialises the model (the initial Theta).
+  env = {"JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={settings.syncer.num_devices + 1}"}
+  actor = ray.remote(SyncerProcess).options(
+      name=name, max_restarts=-1, max_concurrency=16, num_cpus=1,
+      runtime_env={"env_vars": env}).remote(settings, secret)
+  made = RemoteSyncer(actor, secret, metrics)
+  made.name = name  # another driver could look it up by this name (tests do)
+  return made
+
+
+def restarted(crashed: RemoteSyncer, timeout_s: float = 5 * _CALL_TIMEOUT_S) -> RemoteSyncer:
+  """The syncer after Ray restarted its process (a fresh syncer at the initial Theta); the
+  keeper restores it."""
+  ray_runtime.wait_until_up(crashed._actor, "the syncer", timeout_s)  # pylint: disable=protected-access
+  made = RemoteSyncer(crashed._actor, crashed._secret, crashed._metrics,  # pylint: disable=protected-access
+                      stats=crashed.stats, tape=crashed.tape)
+  made.name = crashed.name
+  return made
