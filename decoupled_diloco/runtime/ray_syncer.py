@@ -287,6 +287,11 @@ class RemoteSyncer:
 
   # ---- the watcher -----------------------------------------------------------------------------
 
+  @property
+  def process_died(self) -> bool:
+    """Its process died unplanned (the keeper then restores the syncer Ray restarts)."""
+    return isinstance(self.error, ray_runtime.ProcessDied)
+
   def _raise_error(self) -> None:
     if self.error is not None:
       raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error

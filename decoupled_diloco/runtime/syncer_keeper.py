@@ -108,7 +108,12 @@ class SyncerKeeper:
     if self._down is None:
       self._save_if_due(now)
       if self._faults and self._elapsed(now) >= self._faults[0].second:
-        self._crash(self._faults.pop(0), now)
+        fault = self._faults.pop(0)
+        self._crash(fault.source, fault.down_s, now)
+      elif getattr(self.syncer, "process_died", False):
+        # runtime=ray: the syncer's process died unplanned (a kill -9 by hand, the OOM killer).
+        # Ray has restarted it already: restore it now, as after an injected crash.
+        self._crash(f"its process died ({self.syncer.error})", 0.0, now, planned=False)
     elif now >= self._down["restart_at"]:
       self._restart()
 
@@ -125,23 +130,25 @@ class SyncerKeeper:
       self._last_save = now
       self._pending_state = self.syncer.request_state()
 
-  def _crash(self, fault: chaos.Fault, now: float) -> None:
+  def _crash(self, source: str, down_s: float, now: float, planned: bool = True) -> None:
     crashed = self.syncer
     self._port.connect(None)
-    if hasattr(crashed, "kill"):
+    if not planned:
+      pass  # already dead
+    elif hasattr(crashed, "kill"):
       crashed.kill()  # a syncer process (runtime=ray): SIGKILL, as a real crash
     else:
       crashed.stop()
       crashed.join(timeout=30)
     self._pending_state = None
     record = {"fault": "syncer_crash", "learner": None, "step": None,
-              "at_s": self._elapsed(now), "source": fault.source, "down_s": round(fault.down_s, 3)}
+              "at_s": self._elapsed(now), "source": source, "down_s": round(down_s, 3)}
     self.fault_records.append(record)
     if self._metrics is not None:
       self._metrics.write("fault", record)
     logging.warning("fault: the syncer crashed at %.1f s (%s); the learners train on", record["at_s"],
-                    fault.source)
-    self._down = {"record": record, "crashed_at": now, "restart_at": now + fault.down_s,
+                    source)
+    self._down = {"record": record, "crashed_at": now, "restart_at": now + down_s,
                   "steps": {l.index: l.published.step for l in self._learners if l.alive},
                   "dropped_before": self._port.dropped}
 

@@ -768,7 +768,8 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
       run.syncer = syncer = keeper.syncer
     if run.corrupter is not None:
       run.corrupter.tick()
-    _check_syncer(syncer)
+    if keeper is None or not (keeper.down or getattr(syncer, "process_died", False)):
+      _check_syncer(syncer)  # (a syncer process that died is the keeper's to restore)
     _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)
     if steps != last_steps:
