@@ -15,6 +15,7 @@ threads and with learner processes (config.runtime=ray), and the figure is proce
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 
@@ -65,6 +66,7 @@ def main(argv):
   for rep in range(_REPEATS.value):
     for variant in (base, other):
       config.workdir = f"/tmp/bench_overhead/{variant}_{rep}"
+      shutil.rmtree(config.workdir, ignore_errors=True)  # a fresh run, not a resume of an old one
       config.runtime = "ray" if variant == "ray" else "threads"
       run = train.build(settings.validate(config), with_syncer=variant != "no_syncer")
       summary = train.execute(run, progress=False)
