@@ -42,6 +42,9 @@ _NUM_STEPS = flags.DEFINE_integer("num_steps", 300, "Inner steps per learner (dp
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Steps between evaluations (the curve).")
 _SCALE = flags.DEFINE_float("time_scale", 1.0, "Multiplies every fault's second (slower hosts).")
 _OUT = flags.DEFINE_string("out", "results/chaos", "Writes OUT.json, OUT.md, OUT_loss_vs_time.png.")
+_KINDS = flags.DEFINE_list("kinds", [], "Fire only these fault kinds of the schedule (empty: all); "
+                           "e.g. crash,syncer_crash, what config.runtime=ray fires, to compare the "
+                           "two runtimes on the same faults.")
 
 # (kind, learner, second, key=value...): every learner crashes twice, one hang, one partition, one
 # syncer crash. Seconds count from the start of training.
@@ -58,6 +61,9 @@ def schedule_for(mode: str, scale: float, runtime: str = "threads") -> tuple[str
   events, notes = [], []
   for kind, learner, second, rest in SCHEDULE:
     second = round(second * scale, 3)
+    if _KINDS.value and kind not in _KINDS.value:
+      notes.append(f"{kind} at {second} s: left out (--kinds)")
+      continue
     if runtime == "ray" and kind in ("hang", "partition"):
       notes.append(f"{kind} of learner {learner} at {second} s: not fired by config.runtime=ray "
                    "yet (settings refuse it), left out")

@@ -57,6 +57,7 @@ def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_o
   other's state, the syncer is restored both times, and every step is made."""
   run = train.build(_settings(
       tmp_path, num_steps=80, max_restarts=2, learner_step_delays_s=(0.25, 0.25),
+      checkpoint__every_steps=16,  # cuts are asked for while processes are down
       chaos__schedule="crash@learner=0,step=8,down_s=1;syncer_crash@second=5,down_s=1"))
   first_pids = [l.pid for l in run.learners]
   syncer_pid = run.syncer.pid

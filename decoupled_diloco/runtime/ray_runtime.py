@@ -359,8 +359,9 @@ class ActorLearnerLink:
   """The syncer's `LearnerLink` to a learner process (used in the syncer's process): signed actor
   calls, answers through the object store."""
 
-  def __init__(self, actor, index: int, incarnation: int, secret: bytes):
+  def __init__(self, actor, index: int, incarnation: int, secret: bytes, num_fragments: int):
     self._actor, self._index, self._incarnation, self._secret = actor, index, incarnation, secret
+    self._num_fragments = num_fragments
 
   def _mac(self, method: str, detail: str = "") -> str:
     return sign(self._secret, method, self._index, self._incarnation, detail)
@@ -378,9 +379,17 @@ class ActorLearnerLink:
 
   @property
   def published(self) -> messages.Publication:
+    """The learner's latest publication; while its process is down or restarting (a checkpoint's
+    cut may ask meanwhile), a stand-in with no state and no Theta_p version, which no cut takes."""
     import ray  # pylint: disable=g-import-not-at-top
-    return ray.get(self._actor.published.remote(False, 0.0, self._incarnation,
-                                                self._mac("published")), timeout=_CALL_TIMEOUT_S)
+    try:
+      return ray.get(self._actor.published.remote(False, 0.0, self._incarnation,
+                                                  self._mac("published")), timeout=_CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      none = np.zeros(self._num_fragments, np.int64)
+      return messages.Publication(
+          step=-1, params={}, since=none, counter_steps=none, counter_tokens=none,
+          anchor_versions=np.full(self._num_fragments, -1, np.int64), anchors={}, training=True)
 
 
 class RemoteLearner:

@@ -104,7 +104,8 @@ class SyncerProcess:
              anchor_versions: np.ndarray | None, mac: str) -> bool:
     if not self._check(mac, "attach", learner, incarnation):
       return False
-    link = ray_runtime.ActorLearnerLink(actor, learner, incarnation, self._secret)
+    link = ray_runtime.ActorLearnerLink(actor, learner, incarnation, self._secret,
+                                        len(self.syncer.model.fragments))
     self.syncer.attach(learner, link, step=step, incarnation=incarnation,
                        anchor_versions=anchor_versions)
     return True
@@ -225,13 +226,17 @@ class RemoteSyncer:
     return done
 
   def _future(self, method: str, *args) -> concurrent.futures.Future:
+    """The call's result, or None if the syncer's process died meanwhile (no cut, no state: the
+    checkpoint is tried again later, after the keeper has restored the syncer)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def resolve():
       try:
         future.set_result(self.get(method, *args, timeout=None))
-      except BaseException as err:  # pylint: disable=broad-except
-        future.set_exception(err)
+      except Exception as err:  # pylint: disable=broad-except
+        logging.warning("syncer: %s got no answer (%s): nothing to write this time", method,
+                        type(err).__name__)
+        future.set_result(None)
 
     threading.Thread(target=resolve, daemon=True).start()
     return future

@@ -124,7 +124,8 @@ class SyncerKeeper:
       if self._pending_state.done():
         state = self._pending_state.result()
         self._pending_state = None
-        self._checkpoints.save_syncer(self.syncer.stats.merges, state)
+        if state is not None:  # None: the syncer's process died before it answered (runtime=ray)
+          self._checkpoints.save_syncer(self.syncer.stats.merges, state)
       return
     if now - self._last_save >= self._every_s:
       self._last_save = now
