@@ -4,6 +4,7 @@ run; damaged checkpoints are skipped; a checkpoint of another experiment is refu
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -111,6 +112,20 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path):
   summary = train.execute(run, progress=False)
   assert summary["resumes"][-1]["skipped"][0]["number"] == numbers[-1]
   assert summary["tokens_trained"] == first["tokens_trained"]
+
+
+def test_a_dp_checkpoint_holds_the_step_it_was_due_at_not_the_one_before(tmp_path):
+  # The learner pauses before step EVERY: the controller sees the clock at EVERY while the
+  # learner's newest publication (one step behind its clock) is still of step EVERY - 1.
+  def pause(learner, at):
+    del learner
+    if at == EVERY:
+      time.sleep(0.5)
+
+  run = train.build(_settings(tmp_path, mode="dp"), step_hook=pause)
+  summary = train.execute(run, progress=False)
+  numbers = [c["number"] for c in summary["checkpoints_written"]]
+  assert numbers[0] == EVERY and numbers[-1] == run.settings.num_steps, numbers
 
 
 def test_a_checkpoint_of_another_experiment_is_refused_naming_the_field(tmp_path):

@@ -263,14 +263,15 @@ class Learner:
     donation); the publications already made are unchanged."""
     self._full_until = max(self._full_until, time.monotonic() + seconds)
 
-  def full_publication(self, timeout_s: float) -> messages.Publication | None:
-    """The latest publication once it carries the optimizer state (asking for it), or None if
-    none does within `timeout_s` (a learner that died meanwhile)."""
+  def full_publication(self, timeout_s: float, min_step: int = 0
+                       ) -> messages.Publication | None:
+    """The latest publication once it carries the optimizer state (asking for it) and is of step
+    `min_step` or later, or None if none is within `timeout_s` (a learner that died meanwhile)."""
     self.want_full_state(timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
       published = self._published
-      if published.opt_state is not None:
+      if published.opt_state is not None and published.step >= min_step:
         return published
       if time.monotonic() > deadline or self.error is not None:
         return None

@@ -632,8 +632,8 @@ class _Checkpointer:
       return  # the dp job is down
     if run.keeper is not None and run.keeper.down:
       return  # and until the syncer is
-    self._next += run.settings.checkpoint.every_steps
-    self._pending = self._ask(timeout_s=self._cut_timeout())
+    due, self._next = self._next, self._next + run.settings.checkpoint.every_steps
+    self._pending = self._ask(timeout_s=self._cut_timeout(), min_step=due)
 
   def save_now(self, timeout_s: float, train_seconds: float) -> str | None:
     """Takes a cut now and starts writing it; returns its path (None: no checkpoint)."""
@@ -650,7 +650,9 @@ class _Checkpointer:
     times = [np.mean(l.step_times[-10:]) for l in self._run.learners if l.step_times]
     return max(5.0, 10.0 * max(times, default=0.0))
 
-  def _ask(self, timeout_s: float) -> concurrent.futures.Future:
+  def _ask(self, timeout_s: float, min_step: int = 0) -> concurrent.futures.Future:
+    """A cut, as a future; dp mode: of step `min_step` or later (the clock it was due at; a
+    learner's publication runs one step behind its clock)."""
     run = self._run
     if run.syncer is not None:
       return run.syncer.request_cut(timeout_s)
@@ -659,7 +661,7 @@ class _Checkpointer:
       future.set_result(None)  # the dp job is down: its state is lost, there is nothing to cut
       return future
     learner = run.learners[0]  # dp: a publication is a consistent state by itself
-    published = learner.full_publication(timeout_s)  # one that holds the optimizer state
+    published = learner.full_publication(timeout_s, min_step)  # holding the optimizer state
     future.set_result(None if published is None else syncer_lib.SyncerCut(
         None, {0: published}, {0: learner.incarnation}, learner.step))
     return future
