@@ -504,6 +504,12 @@ class RemoteLearner:
   def params(self):
     return self._call_get("published", False, 0.0).params
 
+  def data_position(self) -> bytes | None:
+    """The data position of the latest publication the watcher saw (a checkpoint cut without
+    this learner keeps it). A process may have read a step or two past it, or died: the driver
+    cannot read a dead process's loader, so a resumed run may read those batches again."""
+    return self.data_state
+
   def respawn(self, snapshot: learner_lib.LearnerSnapshot) -> "RemoteLearner":
     """The next incarnation, in this learner's process (Ray restarted it if it died)."""
     if snapshot.data_state is None:
