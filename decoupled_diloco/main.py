@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
+from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -57,6 +58,10 @@ def main(argv):
     train.train_and_evaluate(run_settings)
   except checkpoints.CheckpointError as err:
     sys.exit(f"Cannot resume: {err}")
+  except event_tape.TapeError as err:
+    sys.exit(f"Cannot replay: {err}")
+  except event_tape.ReplayDiverged as err:
+    sys.exit(f"The replay diverged from its recording: {err}")
   except train.Interrupted as err:
     print(err, file=sys.stderr)
     sys.exit(128 + err.signum)

@@ -213,6 +213,11 @@ class RunSettings:
   compilation_cache_dir: str | None
   # auto | always | never, as written; `donates_state` is what the run does.
   donate_state: str
+  # Write the event tape, workdir/tape.jsonl (runtime/event_tape.py): what a replay follows.
+  tape: bool
+  # "" = train | the workdir of a recorded run: replay its tape instead of racing (exactly, or
+  # under other merge / outer / compression settings: a counterfactual replay).
+  replay: str
   # Sequences per step of each learner: data.batch_size, times num_learners in dp mode.
   learner_batch_size: int = dataclasses.field(metadata=_DERIVED)
   # Whether the learners' steps donate the train state: donate_state resolved for the platform.
@@ -370,6 +375,29 @@ def _workdir(config) -> str:
     _fail("workdir", workdir, "must be a non-empty directory path")
   _local_dir("workdir", workdir)
   return workdir
+
+
+def _replay(config, workdir: str, mode: str, runtime: str, chaos_settings: ChaosSettings,
+            late_learners: tuple[int, ...]) -> str:
+  """config.replay: "" or the workdir of a recorded run, which holds its tape.jsonl."""
+  replay = _get(config, "replay")
+  if not isinstance(replay, str):
+    _fail("replay", replay, "must be \"\" (train) or the workdir of a recorded run")
+  if not replay:
+    return ""
+  if not os.path.isfile(os.path.join(replay, "tape.jsonl")):
+    _fail("replay", replay, "holds no tape.jsonl: replay the workdir of a run made with "
+          "config.tape=True")
+  if os.path.abspath(replay) == os.path.abspath(workdir):
+    _fail("replay", replay, "is config.workdir: a replay writes its own workdir, give it another")
+  # What a replay follows so far (issue 12): a decoupled run of learner threads, without faults.
+  if mode != "decoupled":
+    _fail("replay", replay, f"replays decoupled runs only (config.mode={mode!r})")
+  if runtime != "threads":
+    _fail("replay", replay, f"runs with config.runtime=\"threads\" only (not {runtime!r})")
+  if chaos_settings.enabled or late_learners:
+    _fail("replay", replay, "takes its faults from the tape: set no config.chaos faults")
+  return replay
 
 
 def _mesh_shapes(config, num_learners: int) -> tuple[tuple[int, ...], ...]:
@@ -640,6 +668,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   compilation_cache_dir = _compilation_cache_dir(config, workdir)
   donate_state = _check_choice(config, "donate_state", DONATE_STATE)
   runtime, ray_settings = _resolve_runtime(config, mode, chaos_settings, late_learners)
+  tape = _check_bool(config, "tape")
+  replay = _replay(config, workdir, mode, runtime, chaos_settings, late_learners)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
                                          for f in chaos_settings.faults):
     _fail("chaos.schedule", chaos_settings.schedule, "corrupt_checkpoint damages the newest "
@@ -733,6 +763,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
       profile_steps=profile_steps, compilation_cache_dir=compilation_cache_dir,
-      donate_state=donate_state, learner_batch_size=learner_batch_size,
+      donate_state=donate_state, tape=tape, replay=replay,
+      learner_batch_size=learner_batch_size,
       donates_state=(donate_state == "always"
                      or (donate_state == "auto" and devices.platform != "cpu")))

@@ -78,6 +78,14 @@ def get_config() -> ml_collections.ConfigDict:
   # learners made 0.95x the tokens/s, its pulls came late more often and it discarded more progress
   # (goodput 88.2% against 91.2%; scripts/bench_donation.py, results/donation.json).
   config.donate_state = "auto"
+  # The event tape, workdir/tape.jsonl: every merge (who took part, at which step, fingerprints of
+  # the offers and of the new Theta_p), every merge a learner applied and every offer the syncer
+  # took from it, in order, and the faults and checkpoints (runtime/event_tape.py).
+  config.tape = True
+  # "" = train | the workdir of a recorded run (config.tape=True): rerun its tape with no race,
+  # bit for bit; with other merge.*, outer.* or compression.* settings, a counterfactual replay
+  # on the same arrival pattern.
+  config.replay = ""
 
   # threads: every learner a thread of this process | ray: every learner a process of its own, a
   # Ray actor (runtime/ray_runtime.py; decoupled mode, no config.chaos faults so far).

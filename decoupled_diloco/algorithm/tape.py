@@ -15,8 +15,11 @@ incarnation (absent: 0), and steps are compared within one incarnation only.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 
 def _offers(record: Mapping[str, Any]) -> Iterable[tuple[tuple[int, int], int, int]]:
@@ -82,3 +85,28 @@ def merged_after_failure(tape: Sequence[Mapping[str, Any]], learner: int, incarn
       if key[0] == (learner, incarnation):
         tokens += offered
   return tokens
+
+
+def fingerprint(arrays: Mapping[str, Any]) -> str:
+  """A fingerprint of named float arrays that changes with any bit of any of them: per array in
+  name order, the sum (mod 2**64) and the xor of its 32-bit words. The event tape records one per
+  offer and per merged Theta_p, and a replay meant to be exact compares its own against them.
+  Not a cryptographic hash: it finds divergence, it does not defend against forgery."""
+  parts = []
+  for name in sorted(arrays):
+    words = np.ascontiguousarray(np.asarray(arrays[name], np.float32)).reshape(-1).view(np.uint32)
+    total = int(words.sum(dtype=np.uint64))
+    xor = int(np.bitwise_xor.reduce(words)) if words.size else 0
+    parts.append(f"{total:016x}{xor:08x}")
+  return hashlib.sha256("".join(parts).encode()).hexdigest()[:24]
+
+
+def params_sha256(arrays: Mapping[str, Any]) -> str:
+  """sha256 of named arrays (name, dtype, shape and bytes, in name order): `summary.json`'s
+  `params_sha256`, equal for two runs whose final parameters are bit-identical."""
+  digest = hashlib.sha256()
+  for name in sorted(arrays):
+    value = np.ascontiguousarray(np.asarray(arrays[name]))
+    digest.update(f"{name}:{value.dtype.str}:{value.shape};".encode())
+    digest.update(value.tobytes())
+  return digest.hexdigest()

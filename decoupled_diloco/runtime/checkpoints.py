@@ -47,7 +47,7 @@ from decoupled_diloco.lm import model as model_lib
 _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_every",
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
                "syncer.num_workers", "learner_step_delays_s", "sync.heartbeat_timeout_s",
-               "profile_steps", "compilation_cache_dir")
+               "profile_steps", "compilation_cache_dir", "tape", "replay")
 _JOB, _SYNCER = "job", "syncer"
 _COUNTERS = ("since", "counter_steps", "counter_tokens", "anchor_versions")
 

@@ -203,6 +203,7 @@ class Learner:
     # overwrite here dropped (and counted as discarded) its steps, and after a newer offer
     # replaced it in `_taken`. Integers only; pruned as merges name later offers.
     self._taken_counts: dict[int, dict[int, tuple[int, int]]] = {}
+    self._tape_seq = 0  # this learner's events on the event tape so far
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     self._finished = False  # made its last step: from then on merges keep unmerged steps
     self._stop = threading.Event()
@@ -507,8 +508,10 @@ class Learner:
 
   def _publication(self, state: inner.TrainState) -> messages.Publication:
     state = self._publishable(state)
+    previous = getattr(self, "_published", None)
+    index = previous.index + 1 if previous is not None and previous.step == self.step else 0
     return messages.Publication(
-        step=self.step, params=dict(state.params), since=self._since.copy(),
+        index=index, step=self.step, params=dict(state.params), since=self._since.copy(),
         counter_steps=self._counter_steps.copy(), counter_tokens=self._counter_tokens.copy(),
         anchor_versions=self._anchor_versions.copy(), anchors=dict(self._anchors),
         training=not self._finished, opt_state=state.opt_state, state_step=state.step,
@@ -537,7 +540,8 @@ class Learner:
         learner=self.index, fragment=p, step=published.step, since=int(published.since[p]),
         steps=int(published.counter_steps[p]), tokens=int(published.counter_tokens[p]),
         anchor_version=int(published.anchor_versions[p]), values=values,
-        anchor={name: published.anchors[name] for name in names}, incarnation=self.incarnation)
+        anchor={name: published.anchors[name] for name in names}, incarnation=self.incarnation,
+        publication=published.index)
 
   def _serve(self, timeout: float) -> None:
     """Applies the merges that arrived (waiting up to `timeout` for one), then publishes."""
@@ -564,7 +568,12 @@ class Learner:
     p = broadcast.fragment
     if broadcast.version <= self._anchor_versions[p]:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
-    taken, unknown = self._merged_record(p, broadcast.merged_offers.get(self.index))
+    merged_step = broadcast.merged_offers.get(self.index)
+    with self._lock:  # one section with the tape's event: ordered against the syncer's takes
+      self._tape_event("apply", fragment=p, version=broadcast.version, step=self.step,
+                       publications=self._published.index + 1
+                       if self._published.step == self.step else 0, merged=merged_step)
+      taken, unknown = self._merged_record(p, merged_step)
     keep = (self._options.keep_in_flight_progress or self._finished) and not unknown
     params = self._state.params
     anchors, updates = dict(self._anchors), {}
@@ -621,15 +630,60 @@ class Learner:
 
   def _record_taken(self, offer: messages.Offer) -> None:
     """Under the lock: the syncer took `offer`."""
+    self._tape_event("take", fragment=offer.fragment, step=offer.step,
+                     publication=offer.publication)
     self._taken[offer.fragment] = offer
     counts = self._taken_counts.setdefault(offer.fragment, {})
     counts[offer.step] = (offer.steps, offer.tokens)
     if len(counts) > 256:  # a learner whose offers keep missing their rounds
       del counts[min(counts)]
 
+  def _tape_event(self, kind: str, **fields) -> None:
+    """Under the lock: one of this learner's events on the event tape (config.tape), numbered in
+    the order its state changed."""
+    if self._metrics is None or not getattr(self._metrics, "taping", False):
+      return
+    self._tape_seq += 1
+    self._metrics.tape_event(kind, {"learner": self.index, "incarnation": self.incarnation,
+                                    "seq": self._tape_seq, **fields})
+
+  # ---- replay (runtime/event_tape.py): the state changes of `_train`, `offer` and `_apply`,
+  # ---- called one at a time in the order a tape recorded them, with no thread and no syncer -----
+
+  def replay_step(self) -> None:
+    """One training step on the next batch, as `_train` makes it."""
+    batch = next(self._batches)
+    self._state, _ = self._train_step(self._state, batch)
+    self.step += 1
+    self.steps_made += 1
+    self._counter_steps += 1
+    self._counter_tokens += int(batch["targets"].size)
+    self._data_state = self._data_position()
+    if self.step >= self._options.num_steps:
+      self._finished = True  # every merge applied from here on is one `_serve` applies
+
+  def replay_publication(self) -> messages.Publication:
+    """The publication of the state now (not published: a take names the one it came from)."""
+    return self._publication(self._state)
+
+  def replay_take(self, published: messages.Publication, p: int, index: int) -> messages.Offer:
+    """The offer of fragment p the syncer took from `published`, the tape's publication `index`."""
+    offer = dataclasses.replace(self._offer_from(published, p), publication=index)
+    with self._lock:
+      self._record_taken(offer)
+    return offer
+
+  def replay_apply(self, broadcast: messages.Broadcast) -> None:
+    self._apply(broadcast)
+
+  def replay_finish(self) -> None:
+    """After the tape: the state now is the learner's published one (`params`)."""
+    self._publish(self._state)
+
   def _merged_record(self, p: int, merged_step: int | None
                      ) -> tuple[messages.Offer | None, bool]:
-    """(the taken offer a broadcast of p merged, if its steps are still unmerged here; unknown).
+    """Under the lock: (the taken offer a broadcast of p merged, if its steps are still unmerged
+    here; unknown).
 
     A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
     step with the current progress: as if the merge had not taken this learner. That happens when
@@ -639,11 +693,10 @@ class Learner:
     """
     if merged_step is None:
       return None, False
-    with self._lock:
-      counts = self._taken_counts.get(p, {})
-      merged_counts = counts.pop(merged_step, None)
-      for older in [step for step in counts if step < merged_step]:
-        del counts[older]  # in earlier rounds, whose merges are applied: never named now
+    counts = self._taken_counts.get(p, {})
+    merged_counts = counts.pop(merged_step, None)
+    for older in [step for step in counts if step < merged_step]:
+      del counts[older]  # in earlier rounds, whose merges are applied: never named now
     if merged_step <= self._since[p]:
       if merged_counts is not None:
         # The syncer took this offer from a publication made before an overwrite here dropped
@@ -651,11 +704,10 @@ class Learner:
         self.discarded_fragment_steps -= merged_counts[0]
         self.discarded_fragment_tokens -= merged_counts[1]
       return None, False
-    with self._lock:
-      taken = self._taken.get(p)
-      if taken is not None and taken.step == merged_step:
-        del self._taken[p]
-        return taken, False
+    taken = self._taken.get(p)
+    if taken is not None and taken.step == merged_step:
+      del self._taken[p]
+      return taken, False
     # Cannot happen while this learner object lives (offer() records before it returns). A learner
     # restored from a snapshot has no record: dropping its local progress is safe, keeping it
     # could merge those steps twice.

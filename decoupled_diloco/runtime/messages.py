@@ -92,6 +92,10 @@ class Publication:
   steps_made: int = 0
   discarded_fragment_steps: int = 0
   discarded_fragment_tokens: int = 0
+  # How many publications of the same `step` came before this one (merges applied after the
+  # learner's last step, a repeat for a full state): with `step` it names the publication on the
+  # event tape (runtime/event_tape.py).
+  index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,7 @@ class Offer:
   values: dict[str, Any]
   anchor: dict[str, np.ndarray]
   incarnation: int = 0
+  publication: int = 0  # the index of the publication it was taken from (Publication.index)
 
   @property
   def fresh(self) -> bool:

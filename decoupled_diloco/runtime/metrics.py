@@ -48,10 +48,18 @@ def _last_time_s(path: str, tail_bytes: int = 65536) -> float:
   return max(times, default=0.0)
 
 
-class MetricsWriter:
-  """Appends records to workdir/metrics.jsonl and scalars to TensorBoard under workdir/tb."""
+# Records of these kinds go to the event tape too (runtime/event_tape.py): what happened to the
+# job, beside the merges and the learners' takes and applies.
+TAPE_KINDS = frozenset({"fault", "rejoin", "syncer_restart", "job_restart", "checkpoint", "absent",
+                        "back"})
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_at_s: float | None = None):
+
+class MetricsWriter:
+  """Appends records to workdir/metrics.jsonl and scalars to TensorBoard under workdir/tb; with
+  `tape`, the event tape to workdir/tape.jsonl."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_at_s: float | None = None,
+               tape: bool = False):
     """`resume_at_s`: a resumed run appends to the earlier records, its times going on from
     there (TensorBoard reads the new event file after the earlier ones); None starts afresh."""
     os.makedirs(workdir, exist_ok=True)
@@ -66,26 +74,49 @@ class MetricsWriter:
     mode = "w" if resume_at_s is None else "a"
     self._jsonl = open(path, mode, encoding="utf-8")
     self._tb = SummaryWriter(os.path.join(workdir, "tb")) if tensorboard else None
+    self._tape = open(os.path.join(workdir, "tape.jsonl"), mode, encoding="utf-8") if tape \
+        else None
+
+  @property
+  def taping(self) -> bool:
+    """Whether `tape_event` records anything (config.tape)."""
+    return self._tape is not None
 
   def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
             scalars: dict[str, float] | None = None) -> None:
     """Writes one record; `scalars` (tag -> value) also go to TensorBoard at `step`."""
     line = {"kind": kind, "time_s": round(time.monotonic() - self._start, 4), **_plain(record)}
+    text = json.dumps(line) + "\n"
     with self._lock:
-      self._jsonl.write(json.dumps(line) + "\n")
+      self._jsonl.write(text)
+      if self._tape is not None and kind in TAPE_KINDS:
+        self._tape.write(text)
       if self._tb is not None and scalars and step is not None:
         for tag, value in scalars.items():
           self._tb.add_scalar(tag, float(value), step)
 
+  def tape_event(self, kind: str, record: dict[str, Any]) -> None:
+    """Appends one event to the tape only (no-op without one)."""
+    if self._tape is None:
+      return
+    line = json.dumps({"kind": kind, "time_s": round(time.monotonic() - self._start, 4),
+                       **_plain(record)}) + "\n"
+    with self._lock:
+      self._tape.write(line)
+
   def flush(self) -> None:
     with self._lock:
       self._jsonl.flush()
+      if self._tape is not None:
+        self._tape.flush()
       if self._tb is not None:
         self._tb.flush()
 
   def close(self) -> None:
     with self._lock:
       self._jsonl.close()
+      if self._tape is not None:
+        self._tape.close()
       if self._tb is not None:
         self._tb.close()
 

@@ -58,6 +58,7 @@ from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.algorithm import heartbeat
 from decoupled_diloco.algorithm import robust
+from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime import global_model as global_model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
@@ -857,6 +858,24 @@ class Syncer:
       return screening, self.model.unchanged(p) if self._sync.lock_step else None
     return screening, self.model.merge(p, screening.accepted)
 
+  def _tape_merge(self, p: int, offers: tuple[messages.Offer, ...],
+                  screening: global_model_lib.Screening,
+                  result: global_model_lib.MergeResult | None, version: int | None,
+                  final: bool) -> None:
+    """The event tape's record of a screened round: every offer it screened (a rejected one moves
+    the fragment's norm window too), the new version, and fingerprints of the offers and of the
+    new Theta_p, which a replay meant to be exact compares against its own."""
+    if self._metrics is None or not self._metrics.taping:
+      return
+    accepted = {id(o) for o in screening.accepted}
+    self._metrics.tape_event("merge", {
+        "fragment": p, "version": version, "final": final,
+        "offers": [[o.learner, o.incarnation, o.step, o.publication] for o in offers],
+        "anchor_versions": [o.anchor_version for o in offers],
+        "accepted": [id(o) in accepted for o in offers],
+        "offer_fingerprints": [tape_lib.fingerprint(o.values) for o in offers],
+        "theta_fingerprint": None if result is None else tape_lib.fingerprint(result.theta)})
+
   # ---- back on the syncer's thread: install, broadcast, record -----------------------------------
 
   def _finish_merge(self, done: _MergeDone) -> None:
@@ -867,6 +886,7 @@ class Syncer:
     for rejection in screening.rejected:
       self._record_rejection(p, rejection)
     if result is None:  # every offer was rejected: Theta_p, its version and outer state stay
+      self._tape_merge(p, done.offers, screening, None, None, round_.final)
       # (lock-step modes get `unchanged`, a new version of the same Theta_p)
       self._merging.discard(p)
       self._open_owed(p)
@@ -880,6 +900,7 @@ class Syncer:
     with self._lock:
       live = sorted(self._live)
     version = self.model.install(result, self._anchored_versions(p, live))
+    self._tape_merge(p, done.offers, screening, result, version, round_.final)
     # Records describe the current incarnation only: a learner restarted while this merge ran
     # counts its steps again from its new start.
     current = [o for o in offers if o.incarnation == self._incarnations.get(o.learner, 0)]

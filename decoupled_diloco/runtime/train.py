@@ -43,6 +43,7 @@ from decoupled_diloco.lm import tokenizers
 from decoupled_diloco.runtime import checkpoint_faults
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import goodput as goodput_lib
 from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import job_restart
@@ -137,6 +138,10 @@ def build(settings: settings_lib.RunSettings, *,
           with_syncer: bool = True) -> Run:
   """Partitions devices, builds learners and syncer and compiles their steps."""
   start = time.perf_counter()
+  if settings.replay:
+    # A replay keeps earlier states for the takes that name them: none may be donated (donation
+    # changes where a state lives, not its values).
+    settings = dataclasses.replace(settings, donates_state=False)
   # Before anything touches JAX (reading a checkpoint back does): the device count is fixed then.
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   _use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
@@ -152,8 +157,16 @@ def build(settings: settings_lib.RunSettings, *,
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
       ((1, 1),) if in_processes else settings.learner_mesh_shapes, settings.syncer.num_devices,
       "cpu" if in_processes else settings.devices.platform)
+  if settings.replay and restored is not None:
+    raise event_tape.TapeError(f"config.replay={settings.replay!r}: config.workdir={settings.workdir!r} "
+                     "holds a checkpoint; a replay starts from the recording's start, in a fresh "
+                     "workdir")
   metrics = metrics_lib.MetricsWriter(
-      settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None)
+      settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None,
+      tape=settings.tape and not settings.replay)
+  if metrics.taping:
+    metrics.tape_event("config", {"format": event_tape.FORMAT,
+                                  "config": event_tape.settings_record(settings)})
   data = settings.data
   dataset = data_lib.load_dataset(
       data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
@@ -534,6 +547,7 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   train_seconds += run.history["train_seconds"]
   wall_seconds = time.perf_counter() - start + run.history["wall_seconds"]
   summary = _summary(run, evals, train_seconds, wall_seconds)
+  summary.update(_params_hashes(run))
   summary.update(goodput_lib.summary(goodput_lib.whole_run(
       run, started_at=run.started_at, ended_at=time.monotonic(), final=True)))
   run.metrics.flush()
@@ -830,7 +844,72 @@ def train_and_evaluate(settings: settings_lib.RunSettings) -> dict[str, Any]:
   run = build(settings)
   logging.info("built %d learner(s), %d parameters, %d fragment(s) in %.1f s", len(run.learners),
                run.num_params, len(run.fragments), run.build_seconds)
-  return execute(run)
+  return replay(run) if settings.replay else execute(run)
+
+
+def _params_hashes(run: Run) -> dict[str, Any]:
+  """`params_sha256` of the global model; with the tape on, every learner's final parameters too
+  (what a replay must reproduce bit for bit)."""
+  hashes: dict[str, Any] = {"params_sha256": tape_lib.params_sha256(global_params(run))}
+  if run.settings.tape and run.settings.runtime == "threads":
+    hashes["learner_params_sha256"] = [tape_lib.params_sha256(l.params()) for l in run.learners]
+  return hashes
+
+
+def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
+  """Replays the tape of config.replay on a built run (runtime/event_tape.py), evaluates the
+  global model and writes the replay's summary, which says what changed against the recording."""
+  settings = run.settings
+  tape = event_tape.load(settings.replay)
+  changed = event_tape.changed_fields(tape.config, event_tape.settings_record(settings))
+  for name in changed["counterfactual"]:
+    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", name,
+                 event_tape.settings_record(settings)[name], tape.config.get(name))
+  try:
+    outcome = event_tape.replay(run, tape, event_tape.settings_record(settings))
+    final = _evaluate(run, settings.num_steps, final=True)
+  except BaseException:
+    run.metrics.close()
+    raise
+  summary: dict[str, Any] = {
+      "mode": settings.mode, "num_learners": settings.num_learners,
+      "replay_of": settings.replay, "replay_exact": outcome.exact,
+      # Fields set otherwise than in the recording: those the replay recomputed with, and those
+      # that change nothing it computes.
+      "replay_changed_fields": outcome.changed["counterfactual"],
+      "replay_ignored_fields": outcome.changed["ignored"],
+      "final_eval_loss": final["eval_loss"],
+      "final_eval_bits_per_byte": final["eval_bits_per_byte"],
+      "learner_steps": outcome.steps, "merges": outcome.merges, "replay_rounds": outcome.rounds,
+      "replay_takes": outcome.takes, "replay_applies": outcome.applies,
+      "replay_seconds": outcome.seconds, "build_seconds": run.build_seconds,
+      **_params_hashes(run),
+  }
+  recorded_path = os.path.join(settings.replay, "summary.json")
+  if os.path.exists(recorded_path):
+    with open(recorded_path, encoding="utf-8") as f:
+      recorded = json.load(f)
+    summary["recorded_params_sha256"] = recorded.get("params_sha256")
+    summary["params_equal_to_recording"] = summary["params_sha256"] == recorded.get(
+        "params_sha256")
+    summary["recorded_final_eval_loss"] = recorded.get("final_eval_loss")
+  run.metrics.flush()
+  with open(os.path.join(settings.workdir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2)
+  run.metrics.close()
+  if progress:
+    what = "exact replay" if outcome.exact else (
+        "counterfactual replay (" + ", ".join(f"config.{n}" for n in
+                                              outcome.changed["counterfactual"]) + " changed)")
+    logging.info("%s of %s: %d merges, final eval loss %.4f nats/token (recorded %s), "
+                 "params_sha256 %s%s; summary in %s", what, settings.replay, outcome.merges,
+                 final["eval_loss"], summary.get("recorded_final_eval_loss"),
+                 summary["params_sha256"][:16],
+                 "" if "params_equal_to_recording" not in summary else
+                 (", equal to the recording's" if summary["params_equal_to_recording"]
+                  else ", NOT equal to the recording's"),
+                 os.path.join(settings.workdir, "summary.json"))
+  return summary
 
 
 def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:

@@ -1,0 +1,347 @@
+"""The event tape of a run, and its replay with no race (issue 12).
+
+A decoupled run's outcome depends on thread timing: which offers each merge took, from which of a
+learner's publications, and before which of its steps each learner applied which merge. The tape,
+`workdir/tape.jsonl` (config.tape), records exactly that as the run goes:
+
+- `config`: every config field (its repr), first;
+- `take` (a learner's): the syncer took fragment p from the learner's publication (step, index);
+- `apply` (a learner's): the learner applied Theta_p version v at its step boundary `step`, after
+  `publications` publications of that step, naming the offer of its that the merge took (`merged`);
+- `merge` (the syncer's): a screened round: every offer (learner, incarnation, step, publication),
+  which were accepted, the new version (null: all rejected), fingerprints of each offer and of the
+  new Theta_p (`algorithm/tape.py`);
+- the job's faults, rejoins, syncer restarts and checkpoints (metrics.TAPE_KINDS).
+
+A learner writes its takes and applies under its own lock, numbered (`seq`) in the order its state
+changed, so the tape orders them even though the syncer's thread makes the takes.
+
+`replay` reruns the recording in one thread: each learner makes its steps and its takes and
+applies in its recorded order; a merge runs once the offers it took exist, in recorded order. A
+learner's publication (step s, index n) holds its steps up to s and the merges it applied at s
+after fewer than n+1 publications of s: the replay keeps exactly the states later takes name.
+Exact replay (the recording's settings): every offer and every Theta_p is compared with its
+recorded fingerprint, and the first that differs stops the replay, named (`ReplayDiverged`).
+Counterfactual replay (other merge.*, outer.* or compression.* settings): the same arrival
+pattern, everything else recomputed; nothing is compared.
+
+What it does not replay yet: faults and rejoins (incarnations), resumed runs, lock-step and dp
+modes, and learner processes (config.runtime=ray writes only the syncer's events).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from absl import logging
+
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.runtime import messages
+
+TAPE_FILE = "tape.jsonl"
+FORMAT = 1
+# Settings a replay may change and stay on the recorded arrival pattern: what the syncer computes
+# from the offers and what a learner does with a merge (a counterfactual replay).
+COUNTERFACTUAL = ("merge.", "outer.", "compression.")
+# Settings that change neither what a learner computes nor what the syncer does with offers: the
+# timing, quorum and grace settings made the arrival pattern, which the tape holds.
+IGNORED = ("workdir", "replay", "tape", "restore", "checkpoint.", "log_every", "eval_every",
+           "eval_batches", "stall_timeout_s", "max_restarts", "profile_steps",
+           "compilation_cache_dir", "donate_state", "runtime", "ray.", "syncer.",
+           "learner_step_delays_s", "sync.")
+# ... except these sync fields, which shape the fragments themselves.
+_SYNC_STRUCTURE = ("sync.num_fragments", "sync.fragmentation")
+# Records that mean the recorded run lost or restarted a part: not replayed yet.
+_FAULT_KINDS = ("fault", "rejoin", "syncer_restart", "job_restart")
+
+
+class TapeError(ValueError):
+  """A tape this replay cannot follow (or the replay's settings cannot follow it), said why."""
+
+
+class ReplayDiverged(RuntimeError):
+  """An exact replay met an offer or a merged Theta_p unlike the recording's, or a tape whose
+  events contradict each other."""
+
+
+def settings_record(settings: settings_lib.RunSettings) -> dict[str, str]:
+  """Every config field of `settings`, dotted name -> repr of its value (the tape's `config`)."""
+  values = {}
+  for name in settings_lib.config_fields():
+    node = settings
+    for part in name.split("."):
+      node = getattr(node, part, None) if node is not None else None
+    values[name] = repr(node)
+  return values
+
+
+def changed_fields(recorded: Mapping[str, str], now: Mapping[str, str]) -> dict[str, list[str]]:
+  """The fields a replay's settings change against the recording's, by what they do to it:
+  `counterfactual` (allowed: the replay recomputes), `ignored` (no effect), `structural` (the tape
+  cannot be followed)."""
+  out = {"counterfactual": [], "ignored": [], "structural": []}
+  for name in sorted(set(recorded) | set(now)):
+    if recorded.get(name) == now.get(name):
+      continue
+    if name.startswith(COUNTERFACTUAL):
+      out["counterfactual"].append(name)
+    elif name.startswith(IGNORED) and name not in _SYNC_STRUCTURE:
+      out["ignored"].append(name)
+    else:
+      out["structural"].append(name)
+  return out
+
+
+@dataclasses.dataclass
+class Tape:
+  """A recorded run's tape, read back."""
+
+  path: str
+  config: dict[str, str]
+  learner_events: dict[int, list[dict[str, Any]]]  # per learner, in `seq` order
+  merges: list[dict[str, Any]]  # in the order the syncer made them
+  events: list[dict[str, Any]]  # faults, checkpoints, absences
+
+
+def load(workdir: str) -> Tape:
+  """Reads `workdir/tape.jsonl`; a tape this replay cannot follow fails, saying why."""
+  path = os.path.join(workdir, TAPE_FILE)
+  configs, merges, events = [], [], []
+  learner_events: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as err:
+        raise TapeError(f"config.replay={workdir!r}: line {number} of {path} is not JSON "
+                         f"({err}); a run killed while writing it leaves a cut last line") from err
+      kind = record["kind"]
+      if kind == "config":
+        configs.append(record)
+      elif kind in ("take", "apply"):
+        learner_events[record["learner"]].append(record)
+      elif kind == "merge":
+        merges.append(record)
+      else:
+        events.append(record)
+  if not configs or configs[0].get("format") != FORMAT:
+    raise TapeError(f"config.replay={workdir!r}: {path} does not start with a config record of "
+                     f"tape format {FORMAT}")
+  if len(configs) > 1:
+    raise TapeError(f"config.replay={workdir!r}: the recorded run was resumed from a checkpoint "
+                     "(its tape has a config record per start); replaying a resumed run is not "
+                     "built yet")
+  faults = [e for e in events if e["kind"] in _FAULT_KINDS]
+  restarted = [e for es in learner_events.values() for e in es if e.get("incarnation", 0)]
+  if faults or restarted:
+    kinds = sorted({e["kind"] for e in faults} | ({"restarted learner"} if restarted else set()))
+    raise TapeError(f"config.replay={workdir!r}: the recorded run had faults ({', '.join(kinds)})"
+                     "; replaying faults and rejoins is not built yet")
+  if merges and not learner_events:
+    raise TapeError(f"config.replay={workdir!r}: the tape holds the syncer's merges but no "
+                     "learner's takes and applies (a run with config.runtime=ray records only "
+                     "the syncer's events)")
+  for events_of in learner_events.values():
+    events_of.sort(key=lambda e: e["seq"])
+  return Tape(path, configs[0]["config"], dict(learner_events), merges, events)
+
+
+@dataclasses.dataclass
+class ReplayOutcome:
+  exact: bool  # the recording's settings (up to `ignored` fields): every fingerprint compared
+  changed: dict[str, list[str]]
+  merges: int  # merges that made a new Theta_p
+  rounds: int  # screened rounds, those included
+  takes: int
+  applies: int
+  steps: list[int]  # per learner, its final step
+  seconds: float
+
+
+class _LearnerCursor:
+  """One learner's place in its recorded events, and the publications its later takes name."""
+
+  def __init__(self, learner, events: Sequence[dict[str, Any]]):
+    self.learner = learner
+    self.events = list(events)
+    self.next = 0
+    # A merge applied after n publications of the current step is in publications n, n+1, ...:
+    # the state now is that of publications with index >= `tag` at this step.
+    self.tag = 0
+    # (step, index) -> how many takes still name that publication
+    self.wanted = collections.Counter((e["step"], e["publication"]) for e in self.events
+                                      if e["kind"] == "take")
+    self.kept: dict[tuple[int, int], messages.Publication] = {}
+
+  def keep_for(self, below: int | None) -> None:
+    """Before the state changes: keeps the publication of the state now for every take still
+    to come that names one of the current step with index in [tag, below) (None: no bound)."""
+    step, publication = self.learner.step, None
+    for key, count in self.wanted.items():
+      if count and key[0] == step and key[1] >= self.tag and (below is None or key[1] < below) \
+          and key not in self.kept:
+        publication = publication or self.learner.replay_publication()
+        self.kept[key] = publication
+
+  def advance_to(self, step: int) -> None:
+    while self.learner.step < step:
+      self.keep_for(None)
+      self.learner.replay_step()
+      self.tag = 0
+
+  def publication(self, step: int, index: int) -> messages.Publication:
+    key = (step, index)
+    self.wanted[key] -= 1
+    if key in self.kept:
+      found = self.kept[key] if self.wanted[key] else self.kept.pop(key)
+      return found
+    if self.learner.step == step and index >= self.tag:
+      return self.learner.replay_publication()
+    raise ReplayDiverged(f"learner {self.learner.index}: the tape takes an offer from its "
+                         f"publication {index} of step {step}, which the replay does not hold "
+                         f"(the learner is at step {self.learner.step})")
+
+
+def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
+  """Reruns `tape` on `run` (built by `train.build`, nothing started): its learners and the
+  syncer's global model. Returns how it went; the global model and the learners end in the
+  replayed state. Raises ReplayDiverged where an exact replay differs from the recording."""
+  started = time.perf_counter()
+  changed = changed_fields(tape.config, now_settings)
+  if changed["structural"]:
+    shown = "; ".join(f"config.{k}={tape.config.get(k, '(absent)')} there, "
+                      f"{now_settings.get(k, '(absent)')} here" for k in changed["structural"][:4])
+    raise TapeError(f"config.replay: the recorded run had other settings that shape what it "
+                     f"computes: {shown}. Replay with the recording's experiment; only merge.*, "
+                     "outer.* and compression.* may change (a counterfactual replay)")
+  exact = not changed["counterfactual"]
+  model = run.syncer.model
+  num_steps = run.settings.num_steps
+  cursors = {m: _LearnerCursor(l, tape.learner_events.get(m, ()))
+             for m, l in enumerate(run.learners)}
+  # Per fragment, for each of its merges, the oldest anchor version any later offer of it names:
+  # the versions a merge with anchor="syncer" must keep.
+  later_anchors: list[int | None] = [None] * len(tape.merges)
+  oldest: dict[int, int] = {}
+  for i in range(len(tape.merges) - 1, -1, -1):
+    record = tape.merges[i]
+    p = record["fragment"]
+    later_anchors[i] = oldest.get(p)
+    oldest[p] = min([oldest.get(p, record["version"] or 0), *record["anchor_versions"]])
+  offers: dict[tuple[int, int, int, int], messages.Offer] = {}
+  wire: dict[tuple[int, int], Any] = {}
+  merged_through: dict[tuple[int, int], int] = {}  # (learner, p) -> its last step merged into p
+  naming: dict[tuple[int, int], dict[int, int]] = {}  # (p, version) -> learner -> that step
+  merged = rounds = takes = applies = 0
+  next_merge = 0
+  while True:
+    progressed = False
+    while next_merge < len(tape.merges):
+      record = tape.merges[next_merge]
+      p = record["fragment"]
+      keys = [(m, p, step, pub) for m, _, step, pub in record["offers"]]
+      if not all(k in offers for k in keys):
+        break
+      round_offers = tuple(offers[k] for k in keys)
+      if exact:
+        for (m, _, step, _), offer, recorded in zip(record["offers"], round_offers,
+                                                     record["offer_fingerprints"]):
+          if tape_lib.fingerprint(offer.values) != recorded:
+            raise ReplayDiverged(
+                f"fragment {p}, round of version {record['version']}: learner {m}'s offer of "
+                f"its step {step} differs from the recording's (other code, data or seed?)")
+      screening = model.screen(p, round_offers)
+      model.keep_screening(screening)
+      accepted = [any(o is a for a in screening.accepted) for o in round_offers]
+      if exact and accepted != record["accepted"]:
+        raise ReplayDiverged(f"fragment {p}, round of version {record['version']}: the screen "
+                             f"accepted {accepted}, the recording {record['accepted']}")
+      rounds += 1
+      if screening.accepted:
+        if record["version"] is None:
+          raise ReplayDiverged(f"fragment {p}: a round the recording rejected whole merges here "
+                               "(a counterfactual screen): the recorded pattern has no version "
+                               "for it")
+        result = model.merge(p, screening.accepted)
+        later = later_anchors[next_merge]
+        version = model.install(result, [record["version"]] if later is None else [later])
+        if version != record["version"]:
+          raise ReplayDiverged(f"fragment {p}: the replay made version {version} where the "
+                               f"recording made {record['version']}")
+        if exact and tape_lib.fingerprint(result.theta) != record["theta_fingerprint"]:
+          raise ReplayDiverged(
+              f"fragment {p} version {version}: the merged Theta_p differs from the "
+              f"recording's (its offers: learner, step = "
+              f"{[(o.learner, o.step) for o in screening.accepted]})")
+        wire[(p, version)] = result.wire
+        # What the syncer names to each learner with this version: its last offer of p merged.
+        for o in screening.accepted:
+          merged_through[(o.learner, p)] = max(merged_through.get((o.learner, p), 0), o.step)
+        naming[(p, version)] = {m: s for (m, q), s in merged_through.items() if q == p and s > 0}
+        merged += 1
+      elif record["version"] is not None:
+        raise ReplayDiverged(f"fragment {p} version {record['version']}: every offer was "
+                             "rejected here, the recording merged them")
+      next_merge += 1
+      progressed = True
+    for m, cursor in cursors.items():
+      while cursor.next < len(cursor.events):
+        event = cursor.events[cursor.next]
+        p = event["fragment"]
+        if event["kind"] == "take":
+          if cursor.learner.step < event["step"]:
+            cursor.advance_to(event["step"])
+          published = cursor.publication(event["step"], event["publication"])
+          offer = cursor.learner.replay_take(published, p, event["publication"])
+          offers[(m, p, offer.step, event["publication"])] = offer
+          takes += 1
+        else:  # apply
+          if (p, event["version"]) not in wire:
+            break  # its merge has not run yet
+          cursor.advance_to(event["step"])
+          if cursor.learner.step != event["step"]:
+            raise ReplayDiverged(f"learner {m}: the tape applies fragment {p} version "
+                                 f"{event['version']} at step {event['step']}, after its step "
+                                 f"{cursor.learner.step}")
+          expected = naming[(p, event["version"])].get(m)
+          if exact and event["merged"] != expected:
+            raise ReplayDiverged(
+                f"fragment {p} version {event['version']}: learner {m} applied it as the merge "
+                f"of its offer of step {event['merged']}, but the replayed merges took "
+                f"{'none of its offers' if expected is None else f'its step {expected}'}")
+          cursor.keep_for(event["publications"])
+          named = {} if event["merged"] is None else {m: event["merged"]}
+          cursor.learner.replay_apply(messages.Broadcast(p, event["version"],
+                                                         wire[(p, event["version"])], named))
+          cursor.tag = event["publications"]
+          applies += 1
+        cursor.next += 1
+        progressed = True
+    if not progressed:
+      break
+  if next_merge < len(tape.merges):
+    record = tape.merges[next_merge]
+    raise ReplayDiverged(f"the tape cannot be followed: fragment {record['fragment']}'s round of "
+                         f"version {record['version']} names offers {record['offers']} no "
+                         "learner's takes made")
+  stuck = {m: c.events[c.next] for m, c in cursors.items() if c.next < len(c.events)}
+  if stuck:
+    raise ReplayDiverged(f"the tape cannot be followed: learner events wait for merges it does "
+                         f"not hold: {stuck}")
+  for cursor in cursors.values():
+    cursor.advance_to(num_steps)
+    cursor.learner.replay_finish()
+  logging.info("replayed %s: %d rounds (%d merges), %d takes, %d applies in %.1f s",
+               tape.path, rounds, merged, takes, applies, time.perf_counter() - started)
+  return ReplayOutcome(exact, changed, merged, rounds, takes, applies,
+                       [c.learner.step for c in cursors.values()],
+                       round(time.perf_counter() - started, 3))

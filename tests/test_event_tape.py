@@ -1,0 +1,111 @@
+"""The event tape and its replay (issue 12): a recorded decoupled run replays bit for bit; a tape
+with an offer taken out is caught at the right merge; a counterfactual replay under another merge
+rule follows the same arrival pattern to other parameters."""
+
+import json
+import os
+
+import pytest
+
+from conftest import tiny_settings
+from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime import train
+
+# K = 1, the grace window on, learner 3 twice as slow as the others: a race worth replaying.
+_RECORDED = dict(sync__quorum=1, sync__grace_gamma=0.5, sync__grace_cap_s=0.2,
+                 learner_step_delays_s=(0.02, 0.02, 0.02, 0.04), num_steps=24)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("recorded")
+  summary = train.execute(train.build(tiny_settings(workdir, **_RECORDED)), progress=False)
+  return str(workdir), summary
+
+
+def _replay(workdir, recording, **overrides):
+  settings = tiny_settings(workdir, replay=recording, **{**_RECORDED, **overrides})
+  return train.replay(train.build(settings), progress=False)
+
+
+def _read_tape(recording):
+  with open(os.path.join(recording, "tape.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_the_tape_records_every_merge_take_and_apply_of_the_run(recorded):
+  recording, summary = recorded
+  records = _read_tape(recording)
+  assert records[0]["kind"] == "config" and records[0]["config"]["sync.quorum"] == "1"
+  merges = [r for r in records if r["kind"] == "merge" and r["version"] is not None]
+  assert len(merges) == summary["merges"]
+  takes = [r for r in records if r["kind"] == "take"]
+  applies = [r for r in records if r["kind"] == "apply"]
+  # Every offer a merge took was a take of that learner's, from that publication.
+  taken = {(t["learner"], t["fragment"], t["step"], t["publication"]) for t in takes}
+  for merge in merges:
+    for m, _, step, publication in merge["offers"]:
+      assert (m, merge["fragment"], step, publication) in taken
+  # Each learner's events are numbered in the order its state changed.
+  for m in range(4):
+    seqs = [r["seq"] for r in records if r["kind"] in ("take", "apply") and r["learner"] == m]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) and seqs
+  assert {a["learner"] for a in applies} == {0, 1, 2, 3}
+
+
+def test_a_recorded_run_replays_bit_for_bit(recorded, tmp_path):
+  recording, summary = recorded
+  replayed = _replay(tmp_path, recording)
+  assert replayed["replay_exact"] and replayed["replay_changed_fields"] == []
+  assert "learner_step_delays_s" not in replayed["replay_ignored_fields"]  # set alike
+  assert replayed["merges"] == summary["merges"]
+  assert replayed["params_sha256"] == summary["params_sha256"]
+  assert replayed["params_equal_to_recording"]
+  assert replayed["learner_params_sha256"] == summary["learner_params_sha256"]
+  assert replayed["final_eval_loss"] == summary["final_eval_loss"]
+  with open(os.path.join(tmp_path, "summary.json"), encoding="utf-8") as f:
+    assert json.load(f)["params_sha256"] == summary["params_sha256"]
+
+
+def test_a_tape_with_one_participant_taken_out_is_caught_at_that_merge(recorded, tmp_path):
+  recording, _ = recorded
+  records = _read_tape(recording)
+  # A merge in the middle of the run with two participants or more loses its last one.
+  merges = [r for r in records if r["kind"] == "merge" and r["version"] and len(r["offers"]) >= 2]
+  merge = merges[len(merges) // 2]
+  for field in ("offers", "accepted", "offer_fingerprints", "anchor_versions"):
+    merge[field] = merge[field][:-1]
+  forged = tmp_path / "forged"
+  forged.mkdir()
+  with open(forged / "tape.jsonl", "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  with pytest.raises(event_tape.ReplayDiverged,
+                     match=f"fragment {merge['fragment']} version {merge['version']}: "):
+    _replay(tmp_path / "replay", str(forged))
+
+
+def test_a_counterfactual_replay_under_average_ends_with_other_parameters(recorded, tmp_path):
+  recording, summary = recorded
+  replayed = _replay(tmp_path, recording, merge__rule="average")
+  assert not replayed["replay_exact"] and replayed["replay_changed_fields"] == ["merge.rule"]
+  assert replayed["merges"] == summary["merges"]  # the same arrival pattern, merge for merge
+  assert replayed["params_sha256"] != summary["params_sha256"]
+  assert not replayed["params_equal_to_recording"]
+  assert replayed["final_eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=0.2)
+
+
+def test_a_replay_with_other_model_settings_is_refused_naming_the_field(recorded, tmp_path):
+  recording, _ = recorded
+  with pytest.raises(event_tape.TapeError, match="config.model.mlp_dim=64 there, 128 here"):
+    _replay(tmp_path, recording, model__mlp_dim=128)
+
+
+def test_replay_settings_are_validated(tmp_path):
+  with pytest.raises(ValueError, match="config.replay=.*holds no tape.jsonl"):
+    tiny_settings(tmp_path / "a", replay=str(tmp_path))
+  (tmp_path / "rec").mkdir()
+  (tmp_path / "rec" / "tape.jsonl").write_text("")
+  with pytest.raises(ValueError, match="config.replay=.*decoupled runs only"):
+    tiny_settings(tmp_path / "a", replay=str(tmp_path / "rec"), mode="dp")
+  with pytest.raises(ValueError, match="config.replay=.*is config.workdir"):
+    tiny_settings(tmp_path / "rec", replay=str(tmp_path / "rec"))
