@@ -109,3 +109,17 @@ def test_replay_settings_are_validated(tmp_path):
     tiny_settings(tmp_path / "a", replay=str(tmp_path / "rec"), mode="dp")
   with pytest.raises(ValueError, match="config.replay=.*is config.workdir"):
     tiny_settings(tmp_path / "rec", replay=str(tmp_path / "rec"))
+
+
+def test_faults_rejoins_and_checkpoints_are_on_the_tape_and_their_replay_is_refused(tmp_path):
+  recording = tmp_path / "faulty"
+  train.execute(train.build(tiny_settings(
+      recording, chaos__schedule="crash@learner=1,step=6,down_s=0.2",
+      checkpoint__every_steps=8)), progress=False)
+  records = _read_tape(recording)
+  assert {"config", "take", "apply", "merge", "fault", "checkpoint"} <= {r["kind"] for r in records}
+  # The restarted learner's events name its new incarnation.
+  assert any(r["kind"] in ("take", "apply") and r["learner"] == 1 and r["incarnation"] == 1
+             for r in records)
+  with pytest.raises(event_tape.TapeError, match="had faults .*fault.*not built yet"):
+    event_tape.load(str(recording))

@@ -1,6 +1,8 @@
 """config.runtime=ray: every learner a process of its own (a Ray actor on a local, loopback-only
 Ray), the same learner and syncer code as the threaded runtime."""
 
+import collections
+import json
 import os
 import signal
 import threading
@@ -107,6 +109,12 @@ def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_o
   assert len({syncer_pid, killed["syncer_pid"], run.syncer.pid}) == 3
   assert len(run.syncer.tape) == summary["merges"] > 8
   assert summary["double_merged_offers"] == 0 and summary["merges"] >= 8
+  # The event tape: the syncer processes' merges reach the command's tape.jsonl, beside the faults
+  # and restarts; learner processes record no takes or applies yet (a replay refuses this tape).
+  with open(tmp_path / "tape.jsonl", encoding="utf-8") as f:
+    kinds = collections.Counter(json.loads(line)["kind"] for line in f)
+  assert kinds["merge"] > 8 and kinds["fault"] >= 2 and kinds["syncer_restart"] == 2
+  assert kinds["rejoin"] == 2 and kinds["take"] == kinds["apply"] == 0
   accounting = summary["fragment_token_accounting"]
   assert accounting["made"] == sum(accounting[k] for k in (
       "merged", "discarded", "lost_at_failures", "unmerged_at_end"))

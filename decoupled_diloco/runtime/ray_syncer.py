@@ -43,12 +43,19 @@ _POLL_S = 0.1  # the longest a watcher's call waits in the syncer's process for 
 _CALL_TIMEOUT_S = 120.0
 
 
+_TAPE = "tape"  # a record that goes to the event tape, not to metrics.jsonl
+
+
 class _Records:
   """The syncer's metrics writer in its process: records wait for the command's watcher."""
 
-  def __init__(self):
+  def __init__(self, taping: bool):
     self._records: collections.deque = collections.deque()
     self.news = threading.Condition()
+    self.taping = taping  # config.tape: the syncer's merges go to the command's event tape
+
+  def tape_event(self, kind: str, record: dict[str, Any]) -> None:
+    self.write(_TAPE, {"kind": kind, "record": record})
 
   def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
             scalars: dict[str, float] | None = None) -> None:
@@ -72,7 +79,7 @@ class SyncerProcess:
     from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
     self._secret = secret
     self.rejected_calls = 0
-    self._records = _Records()
+    self._records = _Records(settings.tape)
     self.syncer = train.make_local_syncer(settings, metrics=self._records)
 
   def _check(self, mac: str, method: str, learner: int, incarnation: int, detail: str = ""
@@ -316,7 +323,10 @@ class RemoteSyncer:
       self.stats, self.clock = status["stats"], status["clock"]
       self.rejected_calls = status["rejected_calls"]
       for kind, record, step, scalars in status["records"]:
-        self._metrics.write(kind, record, step=step, scalars=scalars)
+        if kind == _TAPE:
+          self._metrics.tape_event(record["kind"], record["record"])
+        else:
+          self._metrics.write(kind, record, step=step, scalars=scalars)
       if status["error"] is not None:
         self.error = RuntimeError(status["error"])
         return

@@ -865,7 +865,7 @@ class Syncer:
     """The event tape's record of a screened round: every offer it screened (a rejected one moves
     the fragment's norm window too), the new version, and fingerprints of the offers and of the
     new Theta_p, which a replay meant to be exact compares against its own."""
-    if self._metrics is None or not self._metrics.taping:
+    if self._metrics is None or not getattr(self._metrics, "taping", False):
       return
     accepted = {id(o) for o in screening.accepted}
     self._metrics.tape_event("merge", {
