@@ -11,19 +11,24 @@ from conftest import tiny_settings
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import train
 
-# K = 1, the grace window on, learner 3 twice as slow as the others: a race worth replaying.
+# K = 1, the grace window on, learner 3 twice as slow as the others, learner 1 crashing before
+# its step 10 and rejoining from a peer's state: a race worth replaying.
 _RECORDED = dict(sync__quorum=1, sync__grace_gamma=0.5, sync__grace_cap_s=0.2,
                  learner_step_delays_s=(0.02, 0.02, 0.02, 0.04), num_steps=24)
+_CRASH = "crash@learner=1,step=10,down_s=0.2"
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("recorded")
-  summary = train.execute(train.build(tiny_settings(workdir, **_RECORDED)), progress=False)
+  summary = train.execute(train.build(tiny_settings(workdir, chaos__schedule=_CRASH,
+                                                    **_RECORDED)), progress=False)
+  assert summary["rejoins"] == 1
   return str(workdir), summary
 
 
 def _replay(workdir, recording, **overrides):
+  # The replay takes its faults from the tape, not from config.chaos.
   settings = tiny_settings(workdir, replay=recording, **{**_RECORDED, **overrides})
   return train.replay(train.build(settings), progress=False)
 
@@ -46,11 +51,19 @@ def test_the_tape_records_every_merge_take_and_apply_of_the_run(recorded):
   for merge in merges:
     for m, _, step, publication in merge["offers"]:
       assert (m, merge["fragment"], step, publication) in taken
-  # Each learner's events are numbered in the order its state changed.
-  for m in range(4):
-    seqs = [r["seq"] for r in records if r["kind"] in ("take", "apply") and r["learner"] == m]
+  # Each incarnation's events are numbered in the order its state changed.
+  for m, incarnation in ((0, 0), (1, 0), (1, 1), (2, 0), (3, 0)):
+    seqs = [r["seq"] for r in records if r["kind"] in ("take", "apply", "respawn")
+            and r["learner"] == m and r["incarnation"] == incarnation]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) and seqs
   assert {a["learner"] for a in applies} == {0, 1, 2, 3}
+  # The crash and the new incarnation: its respawn comes first among its events, naming the peer
+  # publication it started from and the Theta versions it received.
+  [respawn] = [r for r in records if r["kind"] == "respawn"]
+  assert respawn["learner"] == 1 and respawn["incarnation"] == 1 and respawn["seq"] == 1
+  assert respawn["failed_step"] == 10 and respawn["peer"] != 1
+  assert len(respawn["versions"]) == 4 and respawn["peer_step"] >= 9
+  assert {"fault", "rejoin"} <= {r["kind"] for r in records}
 
 
 def test_a_recorded_run_replays_bit_for_bit(recorded, tmp_path):
@@ -58,7 +71,7 @@ def test_a_recorded_run_replays_bit_for_bit(recorded, tmp_path):
   replayed = _replay(tmp_path, recording)
   assert replayed["replay_exact"] and replayed["replay_changed_fields"] == []
   assert "learner_step_delays_s" not in replayed["replay_ignored_fields"]  # set alike
-  assert replayed["merges"] == summary["merges"]
+  assert replayed["merges"] == summary["merges"] and replayed["replay_respawns"] == 1
   assert replayed["params_sha256"] == summary["params_sha256"]
   assert replayed["params_equal_to_recording"]
   assert replayed["learner_params_sha256"] == summary["learner_params_sha256"]
@@ -111,15 +124,33 @@ def test_replay_settings_are_validated(tmp_path):
     tiny_settings(tmp_path / "rec", replay=str(tmp_path / "rec"))
 
 
-def test_faults_rejoins_and_checkpoints_are_on_the_tape_and_their_replay_is_refused(tmp_path):
+def test_a_syncer_restart_is_on_the_tape_and_its_replay_is_refused(tmp_path):
   recording = tmp_path / "faulty"
   train.execute(train.build(tiny_settings(
-      recording, chaos__schedule="crash@learner=1,step=6,down_s=0.2",
-      checkpoint__every_steps=8)), progress=False)
-  records = _read_tape(recording)
-  assert {"config", "take", "apply", "merge", "fault", "checkpoint"} <= {r["kind"] for r in records}
-  # The restarted learner's events name its new incarnation.
-  assert any(r["kind"] in ("take", "apply") and r["learner"] == 1 and r["incarnation"] == 1
-             for r in records)
-  with pytest.raises(event_tape.TapeError, match="had faults .*fault.*not built yet"):
+      recording, chaos__schedule="syncer_crash@second=1,down_s=0.2", checkpoint__every_steps=8,
+      learner_step_delays_s=(0.05,) * 4)), progress=False)
+  kinds = {r["kind"] for r in _read_tape(recording)}
+  assert {"config", "take", "apply", "merge", "fault", "syncer_restart", "checkpoint"} <= kinds
+  with pytest.raises(event_tape.TapeError,
+                     match="faults a replay does not follow yet .*syncer_crash.*syncer_restart"):
     event_tape.load(str(recording))
+
+
+def test_a_replay_on_other_batches_stops_naming_the_learner_and_its_steps(recorded, tmp_path):
+  recording, _ = recorded
+  records = _read_tape(recording)
+  # As if learner 2 had read other data from its 6th batch on: its takes from then on name
+  # other CRCs of its batches.
+  for record in records:
+    if record["kind"] == "take" and record["learner"] == 2 and record["batches"] >= 6:
+      record["data_crc"] ^= 1
+  first_bad = min(r["batches"] for r in records if r["kind"] == "take" and r["learner"] == 2
+                  and r["batches"] >= 6)
+  forged = tmp_path / "forged"
+  forged.mkdir()
+  with open(forged / "tape.jsonl", "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  with pytest.raises(event_tape.ReplayDiverged,
+                     match=rf"learner 2 \(incarnation 0\): the batches it trained on differ .*"
+                           rf"-{first_bad} \(steps .*-{first_bad};"):
+    _replay(tmp_path / "replay", str(forged))

@@ -8,6 +8,9 @@ learner's publications, and before which of its steps each learner applied which
 - `take` (a learner's): the syncer took fragment p from the learner's publication (step, index);
 - `apply` (a learner's): the learner applied Theta_p version v at its step boundary `step`, after
   `publications` publications of that step, naming the offer of its that the merge took (`merged`);
+- `respawn` (the first event of a restarted learner's incarnation): the step and the batches its
+  failed predecessor had taken, the Theta versions it received and the peer publication whose
+  optimizer state and step it started from;
 - `merge` (the syncer's): a screened round: every offer (learner, incarnation, step, publication),
   which were accepted, the new version (null: all rejected), fingerprints of each offer and of the
   new Theta_p (`algorithm/tape.py`);
@@ -25,8 +28,12 @@ recorded fingerprint, and the first that differs stops the replay, named (`Repla
 Counterfactual replay (other merge.*, outer.* or compression.* settings): the same arrival
 pattern, everything else recomputed; nothing is compared.
 
-What it does not replay yet: faults and rejoins (incarnations), resumed runs, lock-step and dp
-modes, and learner processes (config.runtime=ray writes only the syncer's events).
+A crashed learner and its rejoin replay too: its events stop, and at its `respawn`
+the replay makes the new incarnation as the supervisor did (`supervisor.rejoin_snapshot`) from
+the recorded versions and the peer's publication. What it does not replay yet (load() refuses it,
+saying so): syncer restarts, dp job restarts, partitions, late joins, corrupted checkpoints, a
+rejoin with a fresh optimizer state, resumed runs, lock-step and dp modes, and learner processes
+(config.runtime=ray writes only the syncer's events).
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime import supervisor as supervisor_lib
 
 TAPE_FILE = "tape.jsonl"
 FORMAT = 1
@@ -51,15 +61,21 @@ FORMAT = 1
 # from the offers and what a learner does with a merge (a counterfactual replay).
 COUNTERFACTUAL = ("merge.", "outer.", "compression.")
 # Settings that change neither what a learner computes nor what the syncer does with offers: the
-# timing, quorum and grace settings made the arrival pattern, which the tape holds.
+# timing, quorum and grace settings and the faults made the arrival pattern, which the tape holds.
 IGNORED = ("workdir", "replay", "tape", "restore", "checkpoint.", "log_every", "eval_every",
            "eval_batches", "stall_timeout_s", "max_restarts", "profile_steps",
            "compilation_cache_dir", "donate_state", "runtime", "ray.", "syncer.",
-           "learner_step_delays_s", "sync.")
+           "learner_step_delays_s", "sync.", "chaos.", "late_learners")
 # ... except these sync fields, which shape the fragments themselves.
 _SYNC_STRUCTURE = ("sync.num_fragments", "sync.fragmentation")
-# Records that mean the recorded run lost or restarted a part: not replayed yet.
-_FAULT_KINDS = ("fault", "rejoin", "syncer_restart", "job_restart")
+# A learner's own events: its takes and applies, and the respawn that starts an incarnation.
+_LEARNER_KINDS = ("take", "apply", "respawn")
+# Records of a restart a replay does not follow yet.
+_RESTART_KINDS = ("syncer_restart", "job_restart")
+# Faults a replay follows: a crashed learner's events stop and a new incarnation starts from a
+# peer's state (its `respawn`); a slow learner only changed the timing, which the tape holds.
+# (A hung or NaN learner restarts the same way; not replayed until a test shows it bit for bit.)
+_LEARNER_FAULTS = ("crash", "slow")
 
 
 class TapeError(ValueError):
@@ -127,7 +143,7 @@ def load(workdir: str) -> Tape:
       kind = record["kind"]
       if kind == "config":
         configs.append(record)
-      elif kind in ("take", "apply"):
+      elif kind in _LEARNER_KINDS:
         learner_events[record["learner"]].append(record)
       elif kind == "merge":
         merges.append(record)
@@ -140,18 +156,30 @@ def load(workdir: str) -> Tape:
     raise TapeError(f"config.replay={workdir!r}: the recorded run was resumed from a checkpoint "
                      "(its tape has a config record per start); replaying a resumed run is not "
                      "built yet")
-  faults = [e for e in events if e["kind"] in _FAULT_KINDS]
-  restarted = [e for es in learner_events.values() for e in es if e.get("incarnation", 0)]
-  if faults or restarted:
-    kinds = sorted({e["kind"] for e in faults} | ({"restarted learner"} if restarted else set()))
-    raise TapeError(f"config.replay={workdir!r}: the recorded run had faults ({', '.join(kinds)})"
-                     "; replaying faults and rejoins is not built yet")
+  unfollowed = sorted({e["kind"] if e["kind"] != "fault" else f"fault {e.get('fault')}"
+                       for e in events if e["kind"] in _RESTART_KINDS or (
+                           e["kind"] == "fault" and e.get("fault") not in _LEARNER_FAULTS)})
+  if unfollowed:
+    raise TapeError(f"config.replay={workdir!r}: the recorded run had faults a replay does not "
+                    f"follow yet ({', '.join(unfollowed)}); it replays learner failures and "
+                    f"rejoins ({', '.join(_LEARNER_FAULTS)})")
   if merges and not learner_events:
     raise TapeError(f"config.replay={workdir!r}: the tape holds the syncer's merges but no "
                      "learner's takes and applies (a run with config.runtime=ray records only "
                      "the syncer's events)")
-  for events_of in learner_events.values():
-    events_of.sort(key=lambda e: e["seq"])
+  for m, events_of in learner_events.items():
+    events_of.sort(key=lambda e: (e.get("incarnation", 0), e["seq"]))
+    incarnation = 0
+    for event in events_of:
+      if event.get("incarnation", 0) != incarnation:
+        if event["kind"] != "respawn" or event["incarnation"] != incarnation + 1:
+          raise TapeError(f"config.replay={workdir!r}: learner {m}'s incarnation "
+                          f"{event.get('incarnation')} does not start with its respawn")
+        if event["peer"] is None:
+          raise TapeError(f"config.replay={workdir!r}: learner {m}'s incarnation "
+                          f"{event['incarnation']} restarted with a fresh optimizer state (no "
+                          "healthy peer); replaying that is not built yet")
+        incarnation = event["incarnation"]
   return Tape(path, configs[0]["config"], dict(learner_events), merges, events)
 
 
@@ -163,12 +191,14 @@ class ReplayOutcome:
   rounds: int  # screened rounds, those included
   takes: int
   applies: int
+  respawns: int  # learner incarnations made again
   steps: list[int]  # per learner, its final step
   seconds: float
 
 
 class _LearnerCursor:
-  """One learner's place in its recorded events, and the publications its later takes name."""
+  """One learner's place in its recorded events, and the publications that later takes (and
+  peers' respawns) name, by (incarnation, step, index)."""
 
   def __init__(self, learner, events: Sequence[dict[str, Any]]):
     self.learner = learner
@@ -177,18 +207,41 @@ class _LearnerCursor:
     # A merge applied after n publications of the current step is in publications n, n+1, ...:
     # the state now is that of publications with index >= `tag` at this step.
     self.tag = 0
-    # (step, index) -> how many takes still name that publication
-    self.wanted = collections.Counter((e["step"], e["publication"]) for e in self.events
-                                      if e["kind"] == "take")
-    self.kept: dict[tuple[int, int], messages.Publication] = {}
+    # (incarnation, step, index) -> how many takes and respawns still name that publication
+    self.wanted = collections.Counter((e.get("incarnation", 0), e["step"], e["publication"])
+                                      for e in self.events if e["kind"] == "take")
+    self.kept: dict[tuple[int, int, int], messages.Publication] = {}
+    # The CRC of this incarnation's batches after each of them (index = batches taken), and the
+    # recorded ones still to compare, as (batches, crc); the last count that compared equal.
+    self.crcs = [learner.data_crc]
+    self.pending_crcs: list[tuple[int, int]] = []
+    self.crc_ok = 0
+
+  def expect_crc(self, batches: int, crc: int) -> None:
+    self.pending_crcs.append((batches, crc))
+    self.check_crcs()
+
+  def check_crcs(self) -> None:
+    """Compares the recorded CRCs of this incarnation's batches that the replay has reached."""
+    for batches, crc in list(self.pending_crcs):
+      if batches >= len(self.crcs):
+        continue
+      if self.crcs[batches] != crc:
+        raise ReplayDiverged(
+            f"learner {self.learner.index} (incarnation {self.learner.incarnation}): the batches "
+            f"it trained on differ from the recording's from one of its batches {self.crc_ok + 1}"
+            f"-{batches} (steps {self.learner.start_step + self.crc_ok + 1}-"
+            f"{self.learner.start_step + batches}; other data, tokenizer or seed?)")
+      self.crc_ok = max(self.crc_ok, batches)
+      self.pending_crcs.remove((batches, crc))
 
   def keep_for(self, below: int | None) -> None:
     """Before the state changes: keeps the publication of the state now for every take still
     to come that names one of the current step with index in [tag, below) (None: no bound)."""
-    step, publication = self.learner.step, None
+    incarnation, step, publication = self.learner.incarnation, self.learner.step, None
     for key, count in self.wanted.items():
-      if count and key[0] == step and key[1] >= self.tag and (below is None or key[1] < below) \
-          and key not in self.kept:
+      if count and key[:2] == (incarnation, step) and key[2] >= self.tag and (
+          below is None or key[2] < below) and key not in self.kept:
         publication = publication or self.learner.replay_publication()
         self.kept[key] = publication
 
@@ -196,19 +249,43 @@ class _LearnerCursor:
     while self.learner.step < step:
       self.keep_for(None)
       self.learner.replay_step()
+      self.crcs.append(self.learner.data_crc)
       self.tag = 0
+      self.check_crcs()
 
-  def publication(self, step: int, index: int) -> messages.Publication:
-    key = (step, index)
+  def replace(self, learner) -> None:
+    """A new incarnation of the learner goes on from here."""
+    self.learner, self.tag = learner, 0
+    self.crcs, self.pending_crcs, self.crc_ok = [learner.data_crc], [], 0
+
+  def holds(self, incarnation: int, step: int, index: int) -> bool:
+    """Whether publication (step, index) of `incarnation` is kept, or is the state now or a later
+    one of this incarnation with no apply in between still to come."""
+    if (incarnation, step, index) in self.kept:
+      return True
+    if incarnation != self.learner.incarnation or self.learner.step > step or (
+        self.learner.step == step and index < self.tag):
+      return False
+    for event in self.events[self.next:]:  # the next apply of this incarnation comes after it?
+      if event.get("incarnation", 0) != incarnation:
+        break
+      if event["kind"] == "apply":
+        return event["step"] > step or event["publications"] > index
+    return True
+
+  def publication(self, incarnation: int, step: int, index: int) -> messages.Publication:
+    key = (incarnation, step, index)
     self.wanted[key] -= 1
     if key in self.kept:
-      found = self.kept[key] if self.wanted[key] else self.kept.pop(key)
-      return found
-    if self.learner.step == step and index >= self.tag:
+      return self.kept[key] if self.wanted[key] else self.kept.pop(key)
+    if incarnation == self.learner.incarnation and self.learner.step <= step and (
+        self.learner.step < step or index >= self.tag):
+      self.advance_to(step)
       return self.learner.replay_publication()
-    raise ReplayDiverged(f"learner {self.learner.index}: the tape takes an offer from its "
-                         f"publication {index} of step {step}, which the replay does not hold "
-                         f"(the learner is at step {self.learner.step})")
+    raise ReplayDiverged(f"learner {self.learner.index}: the tape names its publication {index} "
+                         f"of step {step} (incarnation {incarnation}), which the replay does not "
+                         f"hold (it is at step {self.learner.step}, incarnation "
+                         f"{self.learner.incarnation})")
 
 
 def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
@@ -221,13 +298,18 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
     shown = "; ".join(f"config.{k}={tape.config.get(k, '(absent)')} there, "
                       f"{now_settings.get(k, '(absent)')} here" for k in changed["structural"][:4])
     raise TapeError(f"config.replay: the recorded run had other settings that shape what it "
-                     f"computes: {shown}. Replay with the recording's experiment; only merge.*, "
-                     "outer.* and compression.* may change (a counterfactual replay)")
+                    f"computes: {shown}. Replay with the recording's experiment; only merge.*, "
+                    "outer.* and compression.* may change (a counterfactual replay)")
   exact = not changed["counterfactual"]
   model = run.syncer.model
   num_steps = run.settings.num_steps
   cursors = {m: _LearnerCursor(l, tape.learner_events.get(m, ()))
              for m, l in enumerate(run.learners)}
+  for cursor in cursors.values():  # a respawn takes a peer's publication
+    for event in cursor.events:
+      if event["kind"] == "respawn":
+        cursors[event["peer"]].wanted[(event["peer_incarnation"], event["peer_step"],
+                                       event["peer_publication"])] += 1
   # Per fragment, for each of its merges, the oldest anchor version any later offer of it names:
   # the versions a merge with anchor="syncer" must keep.
   later_anchors: list[int | None] = [None] * len(tape.merges)
@@ -237,18 +319,21 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
     p = record["fragment"]
     later_anchors[i] = oldest.get(p)
     oldest[p] = min([oldest.get(p, record["version"] or 0), *record["anchor_versions"]])
-  offers: dict[tuple[int, int, int, int], messages.Offer] = {}
-  wire: dict[tuple[int, int], Any] = {}
+  offers: dict[tuple[int, int, int, int, int], messages.Offer] = {}
+  # (p, version) -> Theta_p as broadcast; version 0 is the initial Theta_p.
+  wire: dict[tuple[int, int], Any] = {(p, 0): model.wire(p)[1]
+                                      for p in range(len(model.fragments))}
   merged_through: dict[tuple[int, int], int] = {}  # (learner, p) -> its last step merged into p
   naming: dict[tuple[int, int], dict[int, int]] = {}  # (p, version) -> learner -> that step
-  merged = rounds = takes = applies = 0
+  respawned: set[int] = set()
+  merged = rounds = takes = applies = respawns = 0
   next_merge = 0
   while True:
     progressed = False
     while next_merge < len(tape.merges):
       record = tape.merges[next_merge]
       p = record["fragment"]
-      keys = [(m, p, step, pub) for m, _, step, pub in record["offers"]]
+      keys = [(m, incarnation, p, step, pub) for m, incarnation, step, pub in record["offers"]]
       if not all(k in offers for k in keys):
         break
       round_offers = tuple(offers[k] for k in keys)
@@ -296,15 +381,17 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
     for m, cursor in cursors.items():
       while cursor.next < len(cursor.events):
         event = cursor.events[cursor.next]
-        p = event["fragment"]
+        incarnation = event.get("incarnation", 0)
         if event["kind"] == "take":
-          if cursor.learner.step < event["step"]:
-            cursor.advance_to(event["step"])
-          published = cursor.publication(event["step"], event["publication"])
+          p = event["fragment"]
+          published = cursor.publication(incarnation, event["step"], event["publication"])
+          if exact and "data_crc" in event:
+            cursor.expect_crc(event["batches"], event["data_crc"])
           offer = cursor.learner.replay_take(published, p, event["publication"])
-          offers[(m, p, offer.step, event["publication"])] = offer
+          offers[(m, incarnation, p, offer.step, event["publication"])] = offer
           takes += 1
-        else:  # apply
+        elif event["kind"] == "apply":
+          p = event["fragment"]
           if (p, event["version"]) not in wire:
             break  # its merge has not run yet
           cursor.advance_to(event["step"])
@@ -312,8 +399,10 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
             raise ReplayDiverged(f"learner {m}: the tape applies fragment {p} version "
                                  f"{event['version']} at step {event['step']}, after its step "
                                  f"{cursor.learner.step}")
-          expected = naming[(p, event["version"])].get(m)
-          if exact and event["merged"] != expected:
+          expected = naming.get((p, event["version"]), {}).get(m)
+          # (A restarted learner is named by merges the syncer made around its attach: their
+          # order against the replay's merges is not on the tape.)
+          if exact and m not in respawned and event["merged"] != expected:
             raise ReplayDiverged(
                 f"fragment {p} version {event['version']}: learner {m} applied it as the merge "
                 f"of its offer of step {event['merged']}, but the replayed merges took "
@@ -324,6 +413,33 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
                                                          wire[(p, event["version"])], named))
           cursor.tag = event["publications"]
           applies += 1
+        else:  # respawn: a new incarnation from Theta as received and a peer's state
+          versions = event["versions"]
+          peer = cursors[event["peer"]]
+          if not all((p, v) in wire for p, v in enumerate(versions)) or not peer.holds(
+              event["peer_incarnation"], event["peer_step"], event["peer_publication"]):
+            break  # a merge it received, or the peer's state it started from, is still to come
+          published = peer.publication(event["peer_incarnation"], event["peer_step"],
+                                       event["peer_publication"])
+          failed = cursor.learner
+          cursor.advance_to(event["failed_step"])
+          failed.replay_fail(event["failed_batches"])
+          theta = {}
+          for p, v in enumerate(versions):
+            theta.update(compression.decode_tree(wire[(p, v)]))
+          snapshot = supervisor_lib.rejoin_snapshot(
+              theta, np.asarray(versions, np.int64), failed.layout, published,
+              event["failed_step"], None, None)
+          new = failed.respawn(snapshot)
+          if new.incarnation != incarnation:
+            raise ReplayDiverged(f"learner {m}: the replay made incarnation {new.incarnation} "
+                                 f"where the tape has {incarnation}")
+          cursor.replace(new)
+          run.learners[m] = new
+          for p in range(len(versions)):
+            merged_through[(m, p)] = event["step"]
+          respawned.add(m)
+          respawns += 1
         cursor.next += 1
         progressed = True
     if not progressed:
@@ -335,13 +451,13 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
                          "learner's takes made")
   stuck = {m: c.events[c.next] for m, c in cursors.items() if c.next < len(c.events)}
   if stuck:
-    raise ReplayDiverged(f"the tape cannot be followed: learner events wait for merges it does "
-                         f"not hold: {stuck}")
+    raise ReplayDiverged(f"the tape cannot be followed: learner events wait for merges or peer "
+                         f"states it does not hold: {stuck}")
   for cursor in cursors.values():
     cursor.advance_to(num_steps)
     cursor.learner.replay_finish()
-  logging.info("replayed %s: %d rounds (%d merges), %d takes, %d applies in %.1f s",
-               tape.path, rounds, merged, takes, applies, time.perf_counter() - started)
-  return ReplayOutcome(exact, changed, merged, rounds, takes, applies,
+  logging.info("replayed %s: %d rounds (%d merges), %d takes, %d applies, %d respawns in %.1f s",
+               tape.path, rounds, merged, takes, applies, respawns, time.perf_counter() - started)
+  return ReplayOutcome(exact, changed, merged, rounds, takes, applies, respawns,
                        [c.learner.step for c in cursors.values()],
                        round(time.perf_counter() - started, 3))

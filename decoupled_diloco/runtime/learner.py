@@ -49,6 +49,7 @@ import math
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -219,6 +220,10 @@ class Learner:
     self.step_ends: list[float] = []
     self.failed_at: float | None = None
     self.steps_made = 0  # by this incarnation
+    self.batches_taken = 0  # from the loader, by this incarnation (one more than its steps when a
+    # step failed after the next one was dispatched)
+    self._data_crc = 0  # of those batches' inputs, with the tape on or in a replay
+    self._replaying = False
     # Lock-step: seconds this incarnation spent at barriers, waiting for merges to come back (the
     # sync itself, slower peers, and peers that are down and being repaired).
     self.barrier_wait_s = 0.0
@@ -432,6 +437,7 @@ class Learner:
       self._apply_arrived()
       current = self._state  # after step self.step, merges applied (its step may still run)
       batch = next(self._batches)
+      self._took(batch)
       tokens = int(batch["targets"].size)
       self._publishable(current)  # with donation: the copy to publish, before `current` is gone
       self._state, step_metrics = self._train_step(current, batch)
@@ -631,7 +637,8 @@ class Learner:
   def _record_taken(self, offer: messages.Offer) -> None:
     """Under the lock: the syncer took `offer`."""
     self._tape_event("take", fragment=offer.fragment, step=offer.step,
-                     publication=offer.publication)
+                     publication=offer.publication, batches=self.batches_taken,
+                     data_crc=self._data_crc)
     self._taken[offer.fragment] = offer
     counts = self._taken_counts.setdefault(offer.fragment, {})
     counts[offer.step] = (offer.steps, offer.tokens)
@@ -652,7 +659,9 @@ class Learner:
 
   def replay_step(self) -> None:
     """One training step on the next batch, as `_train` makes it."""
+    self._replaying = True
     batch = next(self._batches)
+    self._took(batch)
     self._state, _ = self._train_step(self._state, batch)
     self.step += 1
     self.steps_made += 1
@@ -675,6 +684,35 @@ class Learner:
 
   def replay_apply(self, broadcast: messages.Broadcast) -> None:
     self._apply(broadcast)
+
+  def _took(self, batch: dict[str, np.ndarray]) -> None:
+    """A batch taken from the loader: counted, and folded into the CRC of this incarnation's
+    batches, which its takes put on the event tape (a replay on other data stops at once)."""
+    crc = self._data_crc
+    if self._metrics is not None and getattr(self._metrics, "taping", False) or self._replaying:
+      crc = zlib.crc32(np.ascontiguousarray(batch["inputs"]).tobytes(), crc)
+    with self._lock:  # a take reads both
+      self.batches_taken += 1
+      self._data_crc = crc
+
+  @property
+  def data_crc(self) -> int:
+    return self._data_crc
+
+  def replay_fail(self, batches_taken: int) -> None:
+    """The incarnation failed here, having taken `batches_taken` batches: its successor's loader
+    (the same one) goes on from there."""
+    if batches_taken < self.batches_taken:
+      raise ValueError(f"learner {self.index}: the tape says it failed after taking "
+                       f"{batches_taken} batches, the replay took {self.batches_taken} already")
+    while self.batches_taken < batches_taken:
+      next(self._batches)
+      self.batches_taken += 1
+
+  def tape_respawn(self, **fields) -> None:
+    """The supervisor made this incarnation: the first event on the tape of its."""
+    with self._lock:
+      self._tape_event("respawn", **fields)
 
   def replay_finish(self) -> None:
     """After the tape: the state now is the learner's published one (`params`)."""

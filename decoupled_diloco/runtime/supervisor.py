@@ -40,8 +40,36 @@ from absl import logging
 
 from decoupled_diloco.lm import inner
 from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
+
+
+def rejoin_snapshot(theta: dict[str, np.ndarray], versions: np.ndarray,
+                    layout, published: messages.Publication | None, failed_step: int,
+                    init_opt_state: Callable[[Any], Any], offers_made: np.ndarray | None
+                    ) -> learner_lib.LearnerSnapshot:
+    """A restarted learner's state (spec §6): Theta as the learners received it (`theta`, at
+    `versions`), a healthy peer's optimizer state and step from its publication (`published`; None:
+    fresh optimizer state at the failed learner's step), no unmerged progress. Its loader keeps
+    its own position. A replay (runtime/event_tape.py) makes it the same way."""
+    params = layout.to_native(theta)
+    if published is not None:
+      step, opt_state, state_step = published.step, published.opt_state, published.state_step
+    else:
+      step = failed_step
+      opt_state, state_step = init_opt_state(params), np.int32(step)
+    num_fragments = len(versions)
+    return learner_lib.LearnerSnapshot(
+        step=step,
+        train_state=inner.TrainState(params=params, opt_state=opt_state, step=state_step),
+        data_state=None,  # the loader keeps its own position
+        counter_steps=np.zeros(num_fragments, np.int64),
+        counter_tokens=np.zeros(num_fragments, np.int64),
+        since=np.full(num_fragments, step, np.int64),
+        anchors=theta, anchor_versions=versions,
+        # Lock-step: the barrier the peer waits at is its barrier too.
+        offers_made=offers_made)
 
 
 class Supervisor:
@@ -188,31 +216,28 @@ class Supervisor:
     syncer = self._syncer()
     theta, versions = syncer.model.received()
     layout = failed.layout
-    params = layout.to_native(theta)
     peer = self._healthy_peer(m)
     # A donating learner publishes its optimizer state only when asked: at its next step.
     recent = np.mean(peer.step_times[-10:]) if peer is not None and peer.step_times else 0.0
     published = peer.full_publication(max(5.0, 10.0 * recent)) if peer is not None else None
     if published is not None:
-      step, opt_state, state_step = published.step, published.opt_state, published.state_step
       source = f"learner {peer.index}"
     else:
       peer = None
-      step = failed.step
-      opt_state, state_step = self._init_opt_state(params), np.int32(step)
       source = "fresh optimizer state (no healthy peer)"
-    num_fragments = len(versions)
-    snapshot = learner_lib.LearnerSnapshot(
-        step=step,
-        train_state=inner.TrainState(params=params, opt_state=opt_state, step=state_step),
-        data_state=None,  # the loader keeps its own position
-        counter_steps=np.zeros(num_fragments, np.int64),
-        counter_tokens=np.zeros(num_fragments, np.int64),
-        since=np.full(num_fragments, step, np.int64),
-        anchors=theta, anchor_versions=versions,
-        # Lock-step: the barrier the peer waits at is its barrier too.
-        offers_made=peer.offers_made if peer is not None else None)
+    snapshot = rejoin_snapshot(theta, versions, layout, published, failed.step,
+                               self._init_opt_state,
+                               peer.offers_made if peer is not None else None)
+    step, opt_state = snapshot.step, snapshot.train_state.opt_state
     new = failed.respawn(snapshot)
+    # The event tape (runtime/event_tape.py): what a replay needs to make this incarnation again.
+    new.tape_respawn(
+        failed_incarnation=failed.incarnation, failed_step=failed.step,
+        failed_batches=failed.batches_taken, step=step, versions=versions.tolist(),
+        peer=None if peer is None else peer.index,
+        peer_incarnation=None if peer is None else peer.incarnation,
+        peer_step=None if published is None else published.step,
+        peer_publication=None if published is None else published.index)
     self.learners[m] = new
     self.start_steps[m] = step
     if not joining:

@@ -882,6 +882,7 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
       "final_eval_bits_per_byte": final["eval_bits_per_byte"],
       "learner_steps": outcome.steps, "merges": outcome.merges, "replay_rounds": outcome.rounds,
       "replay_takes": outcome.takes, "replay_applies": outcome.applies,
+      "replay_respawns": outcome.respawns,
       "replay_seconds": outcome.seconds, "build_seconds": run.build_seconds,
       **_params_hashes(run),
   }
