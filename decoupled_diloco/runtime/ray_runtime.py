@@ -504,6 +504,13 @@ class RemoteLearner:
   def params(self):
     return self._call_get("published", False, 0.0).params
 
+  # The event tape: a learner process records no takes or applies yet (runtime/event_tape.py
+  # refuses such a tape), so neither its respawn nor the batches it took are recorded.
+  batches_taken = None
+
+  def tape_respawn(self, **fields) -> None:
+    del fields
+
   def data_position(self) -> bytes | None:
     """The data position of the latest publication the watcher saw (a checkpoint cut without
     this learner keeps it). A process may have read a step or two past it, or died: the driver
