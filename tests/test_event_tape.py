@@ -154,3 +154,16 @@ def test_a_replay_on_other_batches_stops_naming_the_learner_and_its_steps(record
                      match=rf"learner 2 \(incarnation 0\): the batches it trained on differ .*"
                            rf"-{first_bad} \(steps .*-{first_bad};"):
     _replay(tmp_path / "replay", str(forged))
+
+
+def test_a_hung_learner_the_syncer_marked_absent_replays_bit_for_bit(tmp_path):
+  recorded = dict(sync__quorum=1, learner_step_delays_s=(0.02,) * 4, num_steps=24,
+                  sync__heartbeat_timeout_s=0.5)
+  summary = train.execute(train.build(tiny_settings(
+      tmp_path / "a", chaos__schedule="hang@learner=2,step=6,seconds=1.5", **recorded)),
+      progress=False)
+  assert summary["heartbeat_absences"] == 1  # it missed merges, and was sent the newest when back
+  replayed = train.replay(train.build(tiny_settings(
+      tmp_path / "b", replay=str(tmp_path / "a"), **recorded)), progress=False)
+  assert replayed["params_equal_to_recording"] and replayed["replay_exact"]
+  assert replayed["learner_params_sha256"] == summary["learner_params_sha256"]

@@ -28,10 +28,11 @@ recorded fingerprint, and the first that differs stops the replay, named (`Repla
 Counterfactual replay (other merge.*, outer.* or compression.* settings): the same arrival
 pattern, everything else recomputed; nothing is compared.
 
-A crashed learner and its rejoin replay too: its events stop, and at its `respawn`
-the replay makes the new incarnation as the supervisor did (`supervisor.rejoin_snapshot`) from
-the recorded versions and the peer's publication. What it does not replay yet (load() refuses it,
-saying so): syncer restarts, dp job restarts, partitions, late joins, corrupted checkpoints, a
+A crashed learner and its rejoin replay too: its events stop, and at its `respawn` the replay
+makes the new incarnation as the supervisor did (`supervisor.rejoin_snapshot`) from the recorded
+versions and the peer's publication. A slow or hung learner (absent, then back) changed only the
+timing, which the tape holds. What it does not replay yet (load() refuses it, saying so): NaN
+learners, syncer restarts, dp job restarts, partitions, late joins, corrupted checkpoints, a
 rejoin with a fresh optimizer state, resumed runs, lock-step and dp modes, and learner processes
 (config.runtime=ray writes only the syncer's events).
 """
@@ -73,9 +74,10 @@ _LEARNER_KINDS = ("take", "apply", "respawn")
 # Records of a restart a replay does not follow yet.
 _RESTART_KINDS = ("syncer_restart", "job_restart")
 # Faults a replay follows: a crashed learner's events stop and a new incarnation starts from a
-# peer's state (its `respawn`); a slow learner only changed the timing, which the tape holds.
-# (A hung or NaN learner restarts the same way; not replayed until a test shows it bit for bit.)
-_LEARNER_FAULTS = ("crash", "slow")
+# peer's state (its `respawn`); a slow or hung learner only changed the timing (and what it missed
+# while absent), which the tape holds. (A NaN is put into a learner's state by the fault itself: a
+# replay would have to put it there too; not built.)
+_LEARNER_FAULTS = ("crash", "slow", "hang")
 
 
 class TapeError(ValueError):
