@@ -30,9 +30,10 @@ pattern, everything else recomputed; nothing is compared.
 
 A crashed learner and its rejoin replay too: its events stop, and at its `respawn` the replay
 makes the new incarnation as the supervisor did (`supervisor.rejoin_snapshot`) from the recorded
-versions and the peer's publication. A slow or hung learner (absent, then back) changed only the
-timing, which the tape holds. What it does not replay yet (load() refuses it, saying so): NaN
-learners, syncer restarts, dp job restarts, partitions, late joins, corrupted checkpoints, a
+versions and the peer's publication. A slow, hung (absent, then back) or partitioned learner
+changed only the timing and which messages got through, which the tape holds. What it does not
+replay yet (load() refuses it, saying so): NaN learners, syncer restarts, dp job restarts, late
+joins, corrupted checkpoints, a
 rejoin with a fresh optimizer state, resumed runs, lock-step and dp modes, and learner processes
 (config.runtime=ray writes only the syncer's events).
 """
@@ -74,10 +75,10 @@ _LEARNER_KINDS = ("take", "apply", "respawn")
 # Records of a restart a replay does not follow yet.
 _RESTART_KINDS = ("syncer_restart", "job_restart")
 # Faults a replay follows: a crashed learner's events stop and a new incarnation starts from a
-# peer's state (its `respawn`); a slow or hung learner only changed the timing (and what it missed
-# while absent), which the tape holds. (A NaN is put into a learner's state by the fault itself: a
+# peer's state (its `respawn`); a slow, hung or partitioned learner only changed the timing and
+# which messages got through, which the tape holds. (A NaN is put into a learner's state by the fault itself: a
 # replay would have to put it there too; not built.)
-_LEARNER_FAULTS = ("crash", "slow", "hang")
+_LEARNER_FAULTS = ("crash", "slow", "hang", "partition")
 
 
 class TapeError(ValueError):
