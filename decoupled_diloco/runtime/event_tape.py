@@ -31,9 +31,9 @@ pattern, everything else recomputed; nothing is compared.
 A crashed learner and its rejoin replay too: its events stop, and at its `respawn` the replay
 makes the new incarnation as the supervisor did (`supervisor.rejoin_snapshot`) from the recorded
 versions and the peer's publication. A slow, hung (absent, then back) or partitioned learner
-changed only the timing and which messages got through, which the tape holds. What it does not
-replay yet (load() refuses it, saying so): NaN learners, syncer restarts, dp job restarts, late
-joins, corrupted checkpoints, a
+changed only the timing and which messages got through, which the tape holds; the NaN of a nan
+fault the replay puts into the same step's output, as the injector did. What it does not replay
+yet (load() refuses it, saying so): syncer restarts, dp job restarts, late joins, corrupted checkpoints, a
 rejoin with a fresh optimizer state, resumed runs, lock-step and dp modes, and learner processes
 (config.runtime=ray writes only the syncer's events).
 """
@@ -54,6 +54,7 @@ from absl import logging
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.runtime import injector
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 
@@ -76,9 +77,9 @@ _LEARNER_KINDS = ("take", "apply", "respawn")
 _RESTART_KINDS = ("syncer_restart", "job_restart")
 # Faults a replay follows: a crashed learner's events stop and a new incarnation starts from a
 # peer's state (its `respawn`); a slow, hung or partitioned learner only changed the timing and
-# which messages got through, which the tape holds. (A NaN is put into a learner's state by the fault itself: a
-# replay would have to put it there too; not built.)
-_LEARNER_FAULTS = ("crash", "slow", "hang", "partition")
+# which messages got through, which the tape holds; a nan fault's NaN the replay puts where the
+# injector did.
+_LEARNER_FAULTS = ("crash", "slow", "hang", "partition", "nan")
 
 
 class TapeError(ValueError):
@@ -203,9 +204,12 @@ class _LearnerCursor:
   """One learner's place in its recorded events, and the publications that later takes (and
   peers' respawns) name, by (incarnation, step, index)."""
 
-  def __init__(self, learner, events: Sequence[dict[str, Any]]):
+  def __init__(self, learner, events: Sequence[dict[str, Any]], nan_steps: Sequence[int] = ()):
     self.learner = learner
     self.events = list(events)
+    # A nan fault corrupted the output of the step this learner made from each of these steps
+    # (runtime/injector.py), the first time it made it: the replay does the same.
+    self.nan_steps = set(nan_steps)
     self.next = 0
     # A merge applied after n publications of the current step is in publications n, n+1, ...:
     # the state now is that of publications with index >= `tag` at this step.
@@ -251,7 +255,11 @@ class _LearnerCursor:
   def advance_to(self, step: int) -> None:
     while self.learner.step < step:
       self.keep_for(None)
+      before = self.learner.step
       self.learner.replay_step()
+      if before in self.nan_steps:
+        self.nan_steps.discard(before)
+        self.learner.replay_corrupt(injector.with_nan)
       self.crcs.append(self.learner.data_crc)
       self.tag = 0
       self.check_crcs()
@@ -306,7 +314,11 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
   exact = not changed["counterfactual"]
   model = run.syncer.model
   num_steps = run.settings.num_steps
-  cursors = {m: _LearnerCursor(l, tape.learner_events.get(m, ()))
+  nan_steps = collections.defaultdict(list)
+  for event in tape.events:
+    if event["kind"] == "fault" and event.get("fault") == "nan":
+      nan_steps[event["learner"]].append(event["step"])
+  cursors = {m: _LearnerCursor(l, tape.learner_events.get(m, ()), nan_steps[m])
              for m, l in enumerate(run.learners)}
   for cursor in cursors.values():  # a respawn takes a peer's publication
     for event in cursor.events:
@@ -437,7 +449,9 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
           if new.incarnation != incarnation:
             raise ReplayDiverged(f"learner {m}: the replay made incarnation {new.incarnation} "
                                  f"where the tape has {incarnation}")
+          nan_left = cursor.nan_steps
           cursor.replace(new)
+          cursor.nan_steps = nan_left
           run.learners[m] = new
           for p in range(len(versions)):
             merged_through[(m, p)] = event["step"]

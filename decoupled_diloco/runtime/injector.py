@@ -157,7 +157,7 @@ class FaultInjector:
         corrupt = learner in self._corrupt_next
         self._corrupt_next.discard(learner)
       if corrupt:
-        new_state = new_state._replace(params=jax.tree.map(_with_nan, new_state.params))
+        new_state = new_state._replace(params=jax.tree.map(with_nan, new_state.params))
       return new_state, step_metrics
 
     step.donates_state = inner.donates_state(train_step)  # the learner copies what it publishes
@@ -233,7 +233,7 @@ class FaultInjector:
     self._last_call[learner] = self._clock()
 
 
-def _with_nan(x: jax.Array) -> jax.Array:
+def with_nan(x: jax.Array) -> jax.Array:
   """`x` with its first value NaN (same shape, dtype and sharding).
 
   Through the host, not `x.at[...].set`: an eager device op compiles a program per tensor shape,

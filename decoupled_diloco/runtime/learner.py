@@ -699,6 +699,10 @@ class Learner:
   def data_crc(self) -> int:
     return self._data_crc
 
+  def replay_corrupt(self, corrupt: Callable[[jax.Array], jax.Array]) -> None:
+    """What a nan fault did to the output of the step just made (runtime/injector.py)."""
+    self._state = self._state._replace(params=jax.tree.map(corrupt, self._state.params))
+
   def replay_fail(self, batches_taken: int) -> None:
     """The incarnation failed here, having taken `batches_taken` batches: its successor's loader
     (the same one) goes on from there."""
