@@ -861,12 +861,12 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
   global model and writes the replay's summary, which says what changed against the recording."""
   settings = run.settings
   tape = event_tape.load(settings.replay)
-  changed = event_tape.changed_fields(tape.config, event_tape.settings_record(settings))
-  for name in changed["counterfactual"]:
-    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", name,
-                 event_tape.settings_record(settings)[name], tape.config.get(name))
+  now = event_tape.settings_record(settings)
+  for name in event_tape.changed_fields(tape.config, now)["counterfactual"]:
+    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", name, now[name],
+                 tape.config.get(name))
   try:
-    outcome = event_tape.replay(run, tape, event_tape.settings_record(settings))
+    outcome = event_tape.replay(run, tape, now)
     final = _evaluate(run, settings.num_steps, final=True)
   except BaseException:
     run.metrics.close()
