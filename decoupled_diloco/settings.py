@@ -191,6 +191,7 @@ class RunSettings:
   # (data, model) or (data, fsdp, model) per learner, as written in the config.
   learner_mesh_shapes: tuple[tuple[int, ...], ...]
   learner_step_delays_s: tuple[float, ...]  # per learner
+  learner_step_noise_s: float  # mean of each learner's uniform extra sleep per step
   late_learners: tuple[int, ...]  # held back at start; each joins at its join@ event
   syncer: SyncerSettings
   sync: SyncSettings | None  # None in dp mode
@@ -656,6 +657,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   num_learners = _check_int(config, "num_learners", 1)
   mesh_shapes = _mesh_shapes(config, num_learners)
   delays = _step_delays(config, num_learners)
+  step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
                           num_workers=_check_int(config, "syncer.num_workers", 1))
 
@@ -759,7 +761,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       eval_every=eval_every, eval_batches=eval_batches, stall_timeout_s=stall_timeout_s,
       max_restarts=max_restarts, devices=devices, runtime=runtime, ray=ray_settings,
       num_learners=num_learners, learner_mesh_shapes=mesh_shapes,
-      learner_step_delays_s=delays, late_learners=late_learners, syncer=syncer, sync=sync, merge=merge_settings,
+      learner_step_delays_s=delays, learner_step_noise_s=step_noise, late_learners=late_learners, syncer=syncer, sync=sync, merge=merge_settings,
       outer=outer_settings, compression=compression_settings, inner=inner_cfg, model=model_cfg,
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
       profile_steps=profile_steps, compilation_cache_dir=compilation_cache_dir,

@@ -108,6 +108,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Extra seconds each learner sleeps per step (one entry per learner, or empty): emulates slower
   # hardware for heterogeneity studies. Empty = all learners run at the speed of their mesh.
   config.learner_step_delays_s = ()
+  # Step-time noise for the same studies: after every step each learner also sleeps a number of
+  # seconds drawn uniformly from [0, 2 x this) (mean this, std this / sqrt(3)), from its own
+  # stream (seeded by config.seed and the learner). 0 = none.
+  config.learner_step_noise_s = 0.0
 
   config.syncer = ml_collections.ConfigDict()
   # CPU devices of the syncer mesh; the learners' merge terms are sharded over them and summed by

@@ -274,6 +274,23 @@ def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_lef
                                  err_msg=f"learner {learner.index} {name}")
 
 
+def test_step_noise_spreads_each_learners_step_times_by_its_own_draws(tmp_path):
+  """config.learner_step_noise_s: every step sleeps U[0, 2 x noise) more, a stream per learner."""
+  noise = 0.05
+  quiet_run, _ = _run(tmp_path / "quiet", num_steps=16)
+  noisy_run, _ = _run(tmp_path / "noisy", num_steps=16, learner_step_noise_s=noise)
+  quiet = [np.array(l.step_times[2:]) for l in quiet_run.learners]
+  noisy = [np.array(l.step_times[2:]) for l in noisy_run.learners]
+  # The mean step grows by about the noise's mean, and the steps spread like U[0, 0.1): std
+  # 0.029 s, where the quiet steps of this tiny model spread by a few ms.
+  extra = np.mean([n.mean() for n in noisy]) - np.mean([q.mean() for q in quiet])
+  assert 0.6 * noise < extra < 1.6 * noise, extra
+  assert min(n.std() for n in noisy) > 0.012, [n.std() for n in noisy]
+  # Each learner draws its own sequence: no two learners' step times move together.
+  corr = np.corrcoef(np.stack(noisy))
+  assert np.abs(corr[np.triu_indices(4, 1)]).max() < 0.9, corr
+
+
 def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path):
   """Issue 7 finding 2: fragments fall due on the clock of the fastest learner still training."""
   period = 4

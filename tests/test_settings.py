@@ -59,6 +59,7 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("data.eval_fraction", 0.0, "config.data.eval_fraction=0.0"),
     ("learner_mesh_shapes", ((2, 1), (2, 1)), "config.learner_mesh_shapes"),
     ("learner_step_delays_s", (0.1,), "config.learner_step_delays_s"),
+    ("learner_step_noise_s", -0.01, "config.learner_step_noise_s=-0.01"),
     ("num_steps", 0, "config.num_steps=0"),
     ("devices.platform", "ipu", "config.devices.platform='ipu'"),
     ("stall_timeout_s", 0.0, "config.stall_timeout_s=0.0"),

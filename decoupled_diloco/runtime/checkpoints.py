@@ -46,7 +46,7 @@ from decoupled_diloco.lm import model as model_lib
 # checkpoint's (`fingerprint`).
 _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_every",
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
-               "syncer.num_workers", "learner_step_delays_s", "sync.heartbeat_timeout_s",
+               "syncer.num_workers", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
                "profile_steps", "compilation_cache_dir", "tape", "replay")
 _JOB, _SYNCER = "job", "syncer"
 _COUNTERS = ("since", "counter_steps", "counter_tokens", "anchor_versions")

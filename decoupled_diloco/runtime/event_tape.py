@@ -68,7 +68,7 @@ COUNTERFACTUAL = ("merge.", "outer.", "compression.")
 IGNORED = ("workdir", "replay", "tape", "restore", "checkpoint.", "log_every", "eval_every",
            "eval_batches", "stall_timeout_s", "max_restarts", "profile_steps",
            "compilation_cache_dir", "donate_state", "runtime", "ray.", "syncer.",
-           "learner_step_delays_s", "sync.", "chaos.", "late_learners")
+           "learner_step_delays_s", "learner_step_noise_s", "sync.", "chaos.", "late_learners")
 # ... except these sync fields, which shape the fragments themselves.
 _SYNC_STRUCTURE = ("sync.num_fragments", "sync.fragmentation")
 # A learner's own events: its takes and applies, and the respawn that starts an incarnation.

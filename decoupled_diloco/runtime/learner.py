@@ -119,6 +119,10 @@ class LearnerOptions:
   # the counters keep them. False = the paper's plain overwrite, which drops them.
   keep_in_flight_progress: bool
   step_delay_s: float  # emulated slower hardware
+  # Emulated step-time noise: after each step the learner also sleeps a number of seconds drawn
+  # uniformly from [0, 2 x this), from `noise_seed`'s own stream (mean this, std this / sqrt(3)).
+  step_noise_s: float
+  noise_seed: tuple[int, ...]
   log_every: int
   # Lock-step only: give up waiting for a merge after this long (config.stall_timeout_s).
   wait_timeout_s: float
@@ -423,6 +427,7 @@ class Learner:
   def _train(self) -> None:
     opts = self._options
     in_flight = None  # (step, tokens, metrics) of the last dispatched step
+    noise = np.random.default_rng((*opts.noise_seed, self.incarnation, self.step))
     if opts.lock_step:
       # A rejoined learner starts at the barrier its peers wait at (snapshot.offers_made): it
       # waits for that round's merge too, then all go on from the same Theta.
@@ -459,8 +464,8 @@ class Learner:
       in_flight = (self.step, tokens, step_metrics)
       if self._trace is not None:
         self._trace.after_step(self.step, self._state)
-      if opts.step_delay_s:
-        time.sleep(opts.step_delay_s)
+      if opts.step_delay_s or opts.step_noise_s:
+        time.sleep(opts.step_delay_s + opts.step_noise_s * 2 * noise.random())
       if opts.lock_step:
         self._push_due_offers()
         self._wait_for_due_merges()

@@ -396,6 +396,8 @@ def learner_options(settings: settings_lib.RunSettings, index: int) -> learner_l
       alpha=settings.merge.alpha,
       keep_in_flight_progress=settings.merge.keep_in_flight_progress,
       step_delay_s=settings.learner_step_delays_s[index],
+      step_noise_s=settings.learner_step_noise_s,
+      noise_seed=(settings.seed, index),
       log_every=settings.log_every,
       wait_timeout_s=settings.stall_timeout_s,
       profile_steps=settings.profile_steps if index == 0 else None,
@@ -918,8 +920,11 @@ def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
   loss = run.evaluator(global_params(run))
   bpb = _bits_per_byte(run, loss)
   run.eval_windows.append((started_at, time.monotonic()))
+  # at_s: when the evaluated Theta was read, in seconds since this process's training started
+  # (time-to-loss figures; a resumed run counts from its own start).
   record = {"step": clock, "eval_loss": loss, "eval_bits_per_byte": bpb, "final": final,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started,
+            "at_s": started_at - run.started_at if run.started_at is not None else 0.0}
   run.metrics.write("eval", record, step=clock,
                     scalars={"eval/loss": loss, "eval/bits_per_byte": bpb})
   logging.info("eval at step %d: global model %.4f nats/token, %.4f bits/byte%s", clock, loss,

@@ -1,0 +1,175 @@
+"""What every scripts/study_*.py shares: run the arms of a study, each for a few seeds, as separate
+training commands; gather their summaries; write results/study_<name>.{json,md,png}.
+
+An arm is a name and the config overrides that make it (dotted field names, as on the command
+line). Every run is its own `python -m decoupled_diloco.main` process, so no run inherits another's
+threads, caches or memory. A run's workdir is named by a hash of its overrides
+($STUDY_ROOT/<hash>, /tmp/studies by default), and a workdir that already holds the summary of the
+same command is read back, not run again (`--fresh` runs all): a study that was stopped starts
+again where it stopped, and two studies that share an arm (study_merge_rule's RDA arm is
+study_learners' M = 8) run it once.
+Seeds go round the arms (seed 0 of every arm, then seed 1 of every arm, ...), so a change in the
+machine's load during a study falls on every arm alike.
+
+The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
+says which and prints its table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "experiments" / "tiny_cpu.py"
+# Every study run: no checkpoints (their writes would cost the arms time unevenly), one shared
+# compilation cache (the arms' programs are compiled once per shape, not once per run).
+QUIET = {"checkpoint.every_steps": 0, "checkpoint.syncer_every_s": 0.0, "restore": "none",
+         "tape": False, "compilation_cache_dir": "/tmp/study_jax_cache"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  overrides: Mapping[str, Any]
+
+
+def _flag_value(value: Any) -> str:
+  if isinstance(value, (tuple, list)):
+    return repr(tuple(value))
+  return str(value)
+
+
+def command(overrides: Mapping[str, Any], config: pathlib.Path = DEFAULT_CONFIG) -> list[str]:
+  """The training command of one run."""
+  return [sys.executable, "-m", "decoupled_diloco.main", f"--config={config}"] + [
+      f"--config.{field}={_flag_value(value)}" for field, value in sorted(overrides.items())]
+
+
+def run_one(workdir: pathlib.Path, overrides: Mapping[str, Any], *, fresh: bool,
+            config: pathlib.Path = DEFAULT_CONFIG) -> dict[str, Any]:
+  """Runs one training command in `workdir` (or reads back its summary): the summary, with the
+  command and the merge records of metrics.jsonl (`merges`)."""
+  overrides = {**QUIET, **overrides, "workdir": str(workdir)}
+  cmd = command(overrides, config)
+  done = workdir / "summary.json"
+  stamp = workdir / "command.json"
+  if (not fresh and done.exists() and stamp.exists()
+      and json.loads(stamp.read_text()) == cmd):
+    summary = json.loads(done.read_text())
+  else:
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    with open(workdir / "log.txt", "w", encoding="utf-8") as log:
+      proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0 or not done.exists():
+      tail = (workdir / "log.txt").read_text().splitlines()[-15:]
+      raise RuntimeError(f"run failed (exit {proc.returncode}): {' '.join(cmd)}\n" +
+                         "\n".join(tail))
+    stamp.write_text(json.dumps(cmd))
+    summary = json.loads(done.read_text())
+  summary["command"] = cmd
+  return summary
+
+
+def metrics(workdir: pathlib.Path, kind: str) -> list[dict[str, Any]]:
+  """The records of one kind in a run's metrics.jsonl."""
+  out = []
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    for line in f:
+      record = json.loads(line)
+      if record.get("kind") == kind:
+        out.append(record)
+  return out
+
+
+def run_study(name: str, arms: Sequence[Arm], seeds: Sequence[int], *,
+              base: Mapping[str, Any], fresh: bool,
+              figures: Callable[[pathlib.Path, dict[str, Any]], dict[str, Any]],
+              config: pathlib.Path = DEFAULT_CONFIG) -> dict[str, dict[int, dict[str, Any]]]:
+  """Every arm for every seed: {arm: {seed: figures(workdir, summary)}}.
+
+  `base`: overrides every arm shares (the study's model size and steps); an arm's own override
+  of the same field wins. `figures` picks what the study reports from one run.
+  """
+  del name  # the workdirs are named by their overrides, whichever study asks
+  root = pathlib.Path(os.environ.get("STUDY_ROOT", "/tmp/studies"))
+  results: dict[str, dict[int, dict[str, Any]]] = {arm.name: {} for arm in arms}
+  total = len(arms) * len(seeds)
+  started = time.perf_counter()
+  for i, seed in enumerate(seeds):
+    for j, arm in enumerate(arms):
+      overrides = {**base, "seed": seed, **arm.overrides}
+      key = json.dumps([str(config), sorted((k, _flag_value(v)) for k, v in overrides.items())])
+      workdir = root / hashlib.sha1(key.encode()).hexdigest()[:12]
+      t0 = time.perf_counter()
+      summary = run_one(workdir, overrides, fresh=fresh, config=config)
+      results[arm.name][seed] = figures(workdir, summary)
+      n = i * len(arms) + j + 1
+      shown = ", ".join(f"{k} {_short(v)}" for k, v in results[arm.name][seed].items()
+                        if isinstance(v, (int, float)))
+      print(f"[{n}/{total}] {arm.name} seed {seed}: {shown} "
+            f"({time.perf_counter() - t0:.0f} s; {time.perf_counter() - started:.0f} s so far)",
+            flush=True)
+  return results
+
+
+def _short(v: float) -> str:
+  return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+  """Mean, min, max and max - min of one figure over seeds."""
+  values = [float(v) for v in values]
+  return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+          "spread": max(values) - min(values), "n": len(values)}
+
+
+def summarize(results: dict[str, dict[int, dict[str, Any]]], keys: Sequence[str]
+              ) -> dict[str, dict[str, dict[str, float]]]:
+  """{arm: {key: spread over seeds}} for the numeric figures `keys`."""
+  return {arm: {k: spread([r[k] for r in by_seed.values()]) for k in keys}
+          for arm, by_seed in results.items()}
+
+
+def fmt(stat: Mapping[str, float], digits: int = 4) -> str:
+  """'mean (min-max)' of a `spread`, or the one value of a single seed."""
+  if stat["n"] == 1:
+    return f"{stat['mean']:.{digits}f}"
+  return f"{stat['mean']:.{digits}f} ({stat['min']:.{digits}f}-{stat['max']:.{digits}f})"
+
+
+def write(name: str, report: dict[str, Any], markdown: str, out_dir: pathlib.Path | None = None
+          ) -> pathlib.Path:
+  """results/study_<name>.json and .md; returns the path stem (for the figure)."""
+  out_dir = out_dir or ROOT / "results"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = out_dir / f"study_{name}"
+  report = {**report, "machine": f"{os.cpu_count()} CPU cores",
+            "date": time.strftime("%Y-%m-%d")}
+  stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+  stem.with_suffix(".md").write_text(markdown.rstrip() + "\n")
+  print(f"wrote {stem}.json, {stem}.md", flush=True)
+  return stem
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def eval_curve(summary: Mapping[str, Any]) -> list[tuple[float, float, int]]:
+  """(seconds since training started, eval loss, step) of every evaluation of a run."""
+  return [(e.get("at_s", float("nan")), e["eval_loss"], e["step"])
+          for e in summary["eval_history"]]
