@@ -735,7 +735,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     mesh_shapes = (((data_axis, fsdp_axis, model_axis) if len(mesh_shapes[0]) == 3
                     else (data_axis, model_axis)),)
     learner_batch_size *= num_learners
-    delays = (0.0,)
+    # A synchronous job steps at the pace of its slowest host: the slowest learner's delay.
+    delays = (max(delays),)
     num_learners, sync = 1, None
     syncer = dataclasses.replace(syncer, num_devices=0)
 

@@ -213,3 +213,11 @@ def test_remote_workdir_is_not_probed_on_this_host(monkeypatch):
   assert settings.validate(_config(workdir="gs://bucket/run")).workdir == "gs://bucket/run"
   with pytest.raises(AssertionError, match="probed"):
     settings.validate(_config(workdir="local/run"))
+
+
+def test_dp_steps_at_the_pace_of_its_slowest_host():
+  """dp is one synchronous job over every learner's devices: one slow host delays every step."""
+  config = tiny_cpu.get_config()
+  config.mode = "dp"
+  config.learner_step_delays_s = (0.0, 0.0, 0.0, 0.25)
+  assert settings.validate(config).learner_step_delays_s == (0.25,)
