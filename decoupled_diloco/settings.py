@@ -139,6 +139,8 @@ class DataSettings:
   text_field: str  # the text of a .jsonl line / .parquet row
   seq_len: int
   batch_size: int  # per learner as configured (dp mode: see RunSettings.learner_batch_size)
+  # One per learner as configured, or () = batch_size for all (RunSettings.learner_batch_sizes).
+  learner_batch_sizes: tuple[int, ...]
   eval_fraction: float
 
 
@@ -219,10 +221,16 @@ class RunSettings:
   # "" = train | the workdir of a recorded run: replay its tape instead of racing (exactly, or
   # under other merge / outer / compression settings: a counterfactual replay).
   replay: str
-  # Sequences per step of each learner: data.batch_size, times num_learners in dp mode.
+  # Sequences per step of a learner: data.batch_size, times num_learners in dp mode.
   learner_batch_size: int = dataclasses.field(metadata=_DERIVED)
+  # Sequences per step of each learner: data.learner_batch_sizes, or learner_batch_size for all.
+  learner_batch_sizes: tuple[int, ...] = dataclasses.field(default=(), metadata=_DERIVED)
   # Whether the learners' steps donate the train state: donate_state resolved for the platform.
   donates_state: bool = dataclasses.field(default=False, metadata=_DERIVED)
+
+  def tokens_per_step(self, learner: int) -> int:
+    """Tokens in one step of learner `learner`."""
+    return self.learner_batch_sizes[learner] * self.data.seq_len
 
   @property
   def learner_devices(self) -> int:
@@ -720,11 +728,20 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     _fail("data.seq_len", seq_len, f"must be {dataset_seq_len}, the window length the ArrayRecord "
                                    f"shards of config.data.source={data_source!r} were packed "
                                    f"with (meta.json)")
+  learner_batch_size = batch_size
+  batch_sizes = _get(config, "data.learner_batch_sizes")
+  if not isinstance(batch_sizes, (list, tuple)) or len(batch_sizes) not in (0, num_learners) or any(
+      isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+    _fail("data.learner_batch_sizes", batch_sizes,
+          f"must be empty or hold num_learners={num_learners} integers >= 1")
+  if batch_sizes and mode == "dp":
+    _fail("data.learner_batch_sizes", batch_sizes,
+          "must be empty in dp mode (one job: its batch is num_learners x data.batch_size)")
   data = DataSettings(source=data_source, tokenizer=tokenizer_spec,
                       text_field=_get(config, "data.text_field"), seq_len=seq_len,
-                      batch_size=batch_size, eval_fraction=eval_fraction)
-
-  learner_batch_size = batch_size
+                      batch_size=batch_size, learner_batch_sizes=tuple(batch_sizes),
+                      eval_fraction=eval_fraction)
+  batch_sizes = tuple(batch_sizes) or (batch_size,) * num_learners
   if mode == "dp":
     # One synchronous learner over every learner device, consuming what all M learners would.
     # The first learner's fsdp and model axes; data takes the rest.
@@ -735,6 +752,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     mesh_shapes = (((data_axis, fsdp_axis, model_axis) if len(mesh_shapes[0]) == 3
                     else (data_axis, model_axis)),)
     learner_batch_size *= num_learners
+    batch_sizes = (learner_batch_size,)
     # A synchronous job steps at the pace of its slowest host: the slowest learner's delay.
     delays = (max(delays),)
     num_learners, sync = 1, None
@@ -743,9 +761,10 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   for index, shape in enumerate(mesh_shapes):
     # The batch is split over data x fsdp (model.py's "batch" rule).
     batch_shards = math.prod(shape[:-1])
-    if learner_batch_size % batch_shards:
-      _fail("data.batch_size", batch_size,
-            f"the batch of learner {index} ({learner_batch_size} sequences) must divide evenly "
+    if batch_sizes[index] % batch_shards:
+      field = "data.learner_batch_sizes" if data.learner_batch_sizes else "data.batch_size"
+      _fail(field, _get(config, field),
+            f"the batch of learner {index} ({batch_sizes[index]} sequences) must divide evenly "
             f"over its data x fsdp axes of {batch_shards} devices (config.learner_mesh_shapes)")
     if len(shape) == 3 and model_cfg.embed_dim % shape[1]:
       _fail("model.embed_dim", model_cfg.embed_dim,
@@ -767,6 +786,6 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       data=data, chaos=chaos_settings, checkpoint=checkpoint, restore=restore,
       profile_steps=profile_steps, compilation_cache_dir=compilation_cache_dir,
       donate_state=donate_state, tape=tape, replay=replay,
-      learner_batch_size=learner_batch_size,
+      learner_batch_size=learner_batch_size, learner_batch_sizes=batch_sizes,
       donates_state=(donate_state == "always"
                      or (donate_state == "auto" and devices.platform != "cpu")))

@@ -221,6 +221,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.text_field = "text"  # the text of a .jsonl line or .parquet row
   config.data.seq_len = 128
   config.data.batch_size = 16  # per learner (dp mode: num_learners x this, one learner)
+  # One batch size per learner (sequences per step), or () = data.batch_size for every learner:
+  # learners of different sizes, whose merges the token weights (merge.weighting) tell apart.
+  # Decoupled and lock-step modes.
+  config.data.learner_batch_sizes = ()
   # The last 5% of each text file's tokens is held out for evaluation (ArrayRecord shards: the
   # split prepare_data.py made, its --eval_fraction).
   config.data.eval_fraction = 0.05

@@ -291,6 +291,29 @@ def test_step_noise_spreads_each_learners_step_times_by_its_own_draws(tmp_path):
   assert np.abs(corr[np.triu_indices(4, 1)]).max() < 0.9, corr
 
 
+def test_learners_of_different_batch_sizes_train_count_and_weigh_their_own_tokens(tmp_path):
+  """config.data.learner_batch_sizes: each learner steps on its own batch; the summary counts
+  the tokens each one trained, and the merge weights (tokens^2 / steps) grow with the batch."""
+  sizes = (2, 4, 4, 8)
+  run, summary = _run(tmp_path, data__learner_batch_sizes=sizes)
+  seq_len = run.settings.data.seq_len
+  assert summary["tokens_trained"] == 24 * sum(sizes) * seq_len
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["made"] == (
+      24 * sum(sizes) * seq_len * len(run.fragments))
+  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
+                            + tokens["unmerged_at_end"])
+  checked = 0
+  for record in run.syncer.tape:
+    for m, tokens, steps, weight in zip(record["learners"], record["tokens"], record["steps"],
+                                        record["weights"]):
+      if steps:
+        assert tokens == steps * sizes[m] * seq_len, record
+        assert weight == pytest.approx(tokens * tokens / steps)
+        checked += 1
+  assert checked >= 40
+
+
 def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path):
   """Issue 7 finding 2: fragments fall due on the clock of the fastest learner still training."""
   period = 4

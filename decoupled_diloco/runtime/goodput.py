@@ -45,7 +45,6 @@ def segment(run, *, started_at: float, ended_at: float, final: bool) -> tb.Accou
   global model (after the final flush, normally none).
   """
   settings = run.settings
-  tokens_per_step = settings.learner_batch_size * settings.data.seq_len
   num_fragments = max(len(run.fragments), 1)
   supervisor = run.supervisor
   retired = list(supervisor.retired) if supervisor is not None else []
@@ -86,7 +85,8 @@ def segment(run, *, started_at: float, ended_at: float, final: bool) -> tb.Accou
       discarded += int(current[m].counters().tokens.sum())
     timelines[m] = tb.LearnerTimeline(
         steps=steps, down=down, restarting=restarting, waits=waits,
-        made_tokens=sum(l.steps_made for l in incarnations) * tokens_per_step * num_fragments,
+        made_tokens=(sum(l.steps_made for l in incarnations) * settings.tokens_per_step(m)
+                     * num_fragments),
         discarded_tokens=int(discarded), lost_tokens=int(lost))
   return tb.account(timelines, started_at, ended_at)
 

@@ -21,7 +21,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -379,10 +379,11 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
       graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings),
       donate=settings.donates_state)
   started = time.perf_counter()
-  _compile(train_step, state, settings.learner_batch_size, settings.data.seq_len)
+  batch_size = settings.learner_batch_sizes[index]
+  _compile(train_step, state, batch_size, settings.data.seq_len)
   seconds = time.perf_counter() - started
   loader = data_lib.make_train_loader(
-      dataset.train, seq_len=settings.data.seq_len, batch_size=settings.learner_batch_size,
+      dataset.train, seq_len=settings.data.seq_len, batch_size=batch_size,
       shard_index=index, num_shards=settings.num_learners, seed=settings.seed)
   return train_step, state, shardings, iter(loader), seconds
 
@@ -942,9 +943,8 @@ def _bits_per_byte(run: Run, loss: float) -> float:
 def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
   losses = " ".join(f"{l.losses[-1]:.3f}" if l.losses else "-" for l in run.learners)
   settings = run.settings
-  tokens_per_step = settings.learner_batch_size * settings.data.seq_len
   rates = " ".join(
-      f"{tokens_per_step / np.mean(l.step_times[-settings.log_every:]) / 1e3:.1f}k"
+      f"{settings.tokens_per_step(l.index) / np.mean(l.step_times[-settings.log_every:]) / 1e3:.1f}k"
       if l.step_times else "-" for l in run.learners)
   line = f"step {clock}/{settings.num_steps} | loss {losses} | tokens/s {rates}"
   recent = _throughput(run, run.learners, last=settings.log_every)
@@ -972,7 +972,7 @@ def _throughput(run: Run, learners, last: int | None = None) -> throughput_lib.T
     first = max(done - last, 0) if last is not None else 0
     ends, times = learner.step_ends[first:done], learner.step_times[first:done]
     count, seconds = throughput_lib.steps_outside(ends, times, run.eval_windows)
-    tokens += count * settings.learner_batch_size * settings.data.seq_len
+    tokens += count * settings.tokens_per_step(learner.index)
     device_seconds += seconds * len(learner.mesh_devices)
   return throughput_lib.throughput(
       tokens, device_seconds, flops_lib.model_flops_per_token(settings.model, settings.data.seq_len),
@@ -986,7 +986,7 @@ def _device_kind(run: Run) -> str:
 def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict[str, Any]:
   """The whole run's summary: a resumed run adds what it did to the checkpoint's history."""
   learners, syncer, history = run.learners, run.syncer, run.history
-  tokens_per_step = run.settings.learner_batch_size * run.settings.data.seq_len
+  tokens_per_step = [run.settings.tokens_per_step(m) for m in range(len(learners))]
   stats = syncer.stats if syncer is not None else syncer_lib.SyncerStats()
   tape = syncer.tape if syncer is not None else []
   final_steps = [l.step for l in learners]
@@ -1001,7 +1001,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "num_learners": run.settings.num_learners,
       "num_params": run.num_params,
       "num_fragments": len(run.fragments),
-      "tokens_trained": int(sum(steps_made) * tokens_per_step),
+      "tokens_trained": int(np.dot(steps_made, tokens_per_step)),
       "final_eval_loss": evals[-1]["eval_loss"],  # nats per token
       "final_eval_bits_per_byte": evals[-1]["eval_bits_per_byte"],
       "tokenizer": run.data_info["tokenizer"],
@@ -1069,7 +1069,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
     summary["syncer_peak_held_bytes"] = stats.peak_held_bytes
     summary["syncer_steady_state_bytes"] = syncer.steady_state_bytes()
   else:
-    summary.update(_job_restart_summary(run, tokens_per_step))
+    summary.update(_job_restart_summary(run, tokens_per_step[0]))
   return summary
 
 
@@ -1104,7 +1104,8 @@ def _job_restart_summary(run: Run, tokens_per_step: int) -> dict[str, Any]:
   }
 
 
-def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) -> dict[str, Any]:
+def _fault_summary(run: Run, tape, incarnations, steps_made,
+                   tokens_per_step: Sequence[int]) -> dict[str, Any]:
   """Faults, restarts and where every token went (spec §6)."""
   supervisor, stats = run.supervisor, run.syncer.stats
   history = run.history
@@ -1131,7 +1132,7 @@ def _fault_summary(run: Run, tape, incarnations, steps_made, tokens_per_step) ->
   # discarded by an overwrite on receive, lost with a failed learner, or still unmerged at the end:
   # made = merged + discarded + lost + unmerged, per fragment, summed (tests check the equality).
   accounting = {
-      "made": int(sum(steps_made) * tokens_per_step * num_fragments),
+      "made": int(np.dot(steps_made, tokens_per_step) * num_fragments),
       "merged": int(sum(sum(r["tokens"]) for r in tape)),
       "discarded": int(sum(history["discarded_fragment_tokens"]) +
                        sum(l.discarded_fragment_tokens for l in incarnations)),
