@@ -142,6 +142,9 @@ class DataSettings:
   # One per learner as configured, or () = batch_size for all (RunSettings.learner_batch_sizes).
   learner_batch_sizes: tuple[int, ...]
   eval_fraction: float
+  # The last fraction of the training text held out as a validation split (0 = none): every
+  # evaluation also reports the global model's loss on it, for tuning without the eval split.
+  validation_fraction: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -722,6 +725,11 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   seq_len = _check_int(config, "data.seq_len", 1)
   batch_size = _check_int(config, "data.batch_size", 1)
   eval_fraction = _check_float(config, "data.eval_fraction", 0.0, 0.5, low_open=True)
+  validation_fraction = _check_float(config, "data.validation_fraction", 0.0, 0.5)
+  if validation_fraction and dataset_seq_len is not None:
+    _fail("data.validation_fraction", validation_fraction,
+          f"must be 0 for ArrayRecord shards (config.data.source={data_source!r}): a validation "
+          f"split is carved from text sources only")
   if seq_len > model_cfg.max_seq_len:
     _fail("data.seq_len", seq_len, f"must be <= config.model.max_seq_len={model_cfg.max_seq_len}")
   if dataset_seq_len is not None and seq_len != dataset_seq_len:
@@ -740,7 +748,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   data = DataSettings(source=data_source, tokenizer=tokenizer_spec,
                       text_field=_get(config, "data.text_field"), seq_len=seq_len,
                       batch_size=batch_size, learner_batch_sizes=tuple(batch_sizes),
-                      eval_fraction=eval_fraction)
+                      eval_fraction=eval_fraction, validation_fraction=validation_fraction)
   batch_sizes = tuple(batch_sizes) or (batch_size,) * num_learners
   if mode == "dp":
     # One synchronous learner over every learner device, consuming what all M learners would.

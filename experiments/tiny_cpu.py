@@ -228,4 +228,8 @@ def get_config() -> ml_collections.ConfigDict:
   # The last 5% of each text file's tokens is held out for evaluation (ArrayRecord shards: the
   # split prepare_data.py made, its --eval_fraction).
   config.data.eval_fraction = 0.05
+  # The last this fraction of the training text (before the eval tail) is a validation split,
+  # never trained on: evaluations also report the global model's loss on it (summary
+  # final_validation_loss), so settings can be tuned without looking at the eval split. 0 = none.
+  config.data.validation_fraction = 0.0
   return config

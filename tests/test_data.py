@@ -176,3 +176,24 @@ def test_reference_entropies_of_the_bundled_corpus():
   # English text: ~4.8 bits = ~3.31 nats per character; one byte of context saves ~0.8 nats.
   assert unigram == pytest.approx(3.31, abs=0.02)
   assert 2.40 < bigram < 2.60
+
+
+def test_the_validation_split_is_carved_from_the_training_text_before_the_eval_tail(tmp_path):
+  """config.data.validation_fraction: train, validation and eval are disjoint consecutive parts of
+  the text, in that order; with 0 there is no validation split and train is as before."""
+  from decoupled_diloco.lm import tokenizers  # pylint: disable=g-import-not-at-top
+  corpus = tmp_path / "corpus.txt"
+  text = bytes(range(32, 127)) * 40
+  corpus.write_bytes(text)
+  tok = tokenizers.load("byte")
+  load = lambda v: data.load_dataset(str(corpus), tokenizer=tok, text_field="text", seq_len=16,
+                                     eval_fraction=0.1, validation_fraction=v)
+  plain, split = load(0.0), load(0.2)
+  assert plain.validation is None
+  whole = np.frombuffer(text, np.uint8)
+  train_all, evals = data.split_tokens(whole, 0.1)
+  n_val = int(round(len(train_all) * 0.2))
+  np.testing.assert_array_equal(split.train._tokens, train_all[:len(train_all) - n_val])
+  np.testing.assert_array_equal(split.validation._tokens, train_all[len(train_all) - n_val:])
+  np.testing.assert_array_equal(split.eval._tokens, evals)
+  np.testing.assert_array_equal(plain.train._tokens, train_all)

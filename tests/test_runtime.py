@@ -314,6 +314,15 @@ def test_learners_of_different_batch_sizes_train_count_and_weigh_their_own_token
   assert checked >= 40
 
 
+def test_a_validation_split_is_evaluated_beside_the_eval_split(tmp_path):
+  """config.data.validation_fraction: every evaluation reports the global model on both."""
+  _, summary = _run(tmp_path, data__validation_fraction=0.1, eval_every=12)
+  assert [e["step"] for e in summary["eval_history"]] == [12, 24]
+  for e in summary["eval_history"]:
+    assert 0 < e["validation_loss"] < 6 and e["validation_loss"] != e["eval_loss"]
+  assert summary["final_validation_loss"] == summary["eval_history"][-1]["validation_loss"]
+
+
 def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path):
   """Issue 7 finding 2: fragments fall due on the clock of the fastest learner still training."""
   period = 4

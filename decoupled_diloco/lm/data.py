@@ -108,16 +108,23 @@ class Dataset:
   eval: grain.sources.RandomAccessDataSource
   tokenizer: tokenizers_lib.Tokenizer
   skipped: dict[str, int]  # bad records by reason (documents.SKIP_REASONS)
+  # Carved from the training text (config.data.validation_fraction), never trained on: what
+  # tuning reads, so that the eval split is never tuned on. None = no validation split.
+  validation: grain.sources.RandomAccessDataSource | None = None
 
 
 def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field: str,
-                 seq_len: int, eval_fraction: float) -> Dataset:
+                 seq_len: int, eval_fraction: float, validation_fraction: float = 0.0) -> Dataset:
   """The train and eval windows of `config.data.source` (settings.validate resolved it).
 
   A directory of ArrayRecord shards is opened for random access, its eval split as prepared; text
-  is read and tokenized here, whole, into memory.
+  is read and tokenized here, whole, into memory. `validation_fraction` > 0 (text only): the last
+  fraction of each file's training tokens (the part before its eval tail) is the validation split.
   """
   if array_records.is_dataset_dir(source):
+    if validation_fraction:
+      raise ValueError(f"config.data.validation_fraction={validation_fraction} needs a text "
+                       f"source; config.data.source={source!r} holds ArrayRecord shards")
     meta = array_records.read_meta(source)
     skipped = {r: int(meta["skipped_by_reason"].get(r, 0)) for r in documents.SKIP_REASONS}
     return Dataset(array_records.open_split(source, meta, "train"),
@@ -130,15 +137,24 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
       raise ValueError(f"config.data.source={source!r} holds no text ({skipped.as_dict()} "
                        f"records skipped)")
     train, evals = split_tokens(tokens, eval_fraction)
+    train, validation = _tail_split(train, validation_fraction)
   else:
     parts = list(split_files(files, tokenizer, text_field, eval_fraction, skipped))
-    train = np.concatenate([p[1] for p in parts])
+    trains = [_tail_split(p[1], validation_fraction) for p in parts]
+    train = np.concatenate([t for t, _ in trains])
+    validation = np.concatenate([v for _, v in trains])
     evals = np.concatenate([p[2] for p in parts])
     if evals.size == 0:
       raise ValueError(f"config.data.eval_fraction={eval_fraction} holds out no token of the "
                        f"{train.size} of config.data.source={source!r}")
+  held = None
+  if validation_fraction:
+    if validation.size <= seq_len:
+      raise ValueError(f"config.data.validation_fraction={validation_fraction} holds out "
+                       f"{validation.size} tokens, not one window of data.seq_len={seq_len}")
+    held = PackedSequences(validation, seq_len)
   return Dataset(PackedSequences(train, seq_len), PackedSequences(evals, seq_len), tokenizer,
-                 skipped.as_dict())
+                 skipped.as_dict(), held)
 
 
 def eval_bytes(batches: list[dict[str, np.ndarray]], tokenizer: tokenizers_lib.Tokenizer) -> int:

@@ -166,7 +166,8 @@ class LearnerProcess:
     data = settings.data
     dataset = data_lib.load_dataset(
         data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
-        seq_len=data.seq_len, eval_fraction=data.eval_fraction)
+        seq_len=data.seq_len, eval_fraction=data.eval_fraction,
+        validation_fraction=data.validation_fraction)
     graphdef, params = model_lib.init_params(settings.model, mesh, settings.seed)
     initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
     tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)

@@ -93,6 +93,8 @@ class Run:
   # (start, end), time.monotonic(), of each evaluation: learner steps that overlap one are left
   # out of tokens/s and MFU (runtime/throughput.py).
   eval_windows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+  # The global model on the validation split too (config.data.validation_fraction > 0).
+  validator: evaluate.Evaluator | None = None
 
 
 class Interrupted(Exception):
@@ -170,7 +172,8 @@ def build(settings: settings_lib.RunSettings, *,
   data = settings.data
   dataset = data_lib.load_dataset(
       data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
-      seq_len=data.seq_len, eval_fraction=data.eval_fraction)
+      seq_len=data.seq_len, eval_fraction=data.eval_fraction,
+      validation_fraction=data.validation_fraction)
   eval_batches = data_lib.make_eval_batches(
       dataset.eval, seq_len=data.seq_len, batch_size=data.batch_size,
       max_batches=settings.eval_batches)
@@ -271,6 +274,12 @@ def build(settings: settings_lib.RunSettings, *,
   evaluator = evaluate.Evaluator(graphdef, model_cfg, learner_meshes[0], eval_batches)
   started = time.perf_counter()
   evaluator.compile()
+  validator = None
+  if dataset.validation is not None:  # the same program on other batches of the same shape
+    validator = evaluate.Evaluator(graphdef, model_cfg, learner_meshes[0], data_lib.make_eval_batches(
+        dataset.validation, seq_len=data.seq_len, batch_size=data.batch_size,
+        max_batches=settings.eval_batches))
+    validator.compile()
   compile_seconds["eval_compile_s"] = time.perf_counter() - started
   supervisor, keeper, restarter = None, None, None
   repaired_at = injector.repaired_at if injector is not None else lambda _: 0.0
@@ -333,7 +342,8 @@ def build(settings: settings_lib.RunSettings, *,
   return Run(settings, learners, syncer, evaluator, metrics, fragments,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
-             history, restored, keeper, corrupter, restarter=restarter, data_info=data_info)
+             history, restored, keeper, corrupter, restarter=restarter, data_info=data_info,
+             validator=validator)
 
 
 def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=None,
@@ -882,6 +892,7 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
       "replay_changed_fields": outcome.changed["counterfactual"],
       "replay_ignored_fields": outcome.changed["ignored"],
       "final_eval_loss": final["eval_loss"],
+      "final_validation_loss": final.get("validation_loss"),
       "final_eval_bits_per_byte": final["eval_bits_per_byte"],
       "learner_steps": outcome.steps, "merges": outcome.merges, "replay_rounds": outcome.rounds,
       "replay_takes": outcome.takes, "replay_applies": outcome.applies,
@@ -918,7 +929,8 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
 
 def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
   started, started_at = time.perf_counter(), time.monotonic()
-  loss = run.evaluator(global_params(run))
+  params = global_params(run)
+  loss = run.evaluator(params)
   bpb = _bits_per_byte(run, loss)
   run.eval_windows.append((started_at, time.monotonic()))
   # at_s: when the evaluated Theta was read, in seconds since this process's training started
@@ -926,6 +938,8 @@ def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
   record = {"step": clock, "eval_loss": loss, "eval_bits_per_byte": bpb, "final": final,
             "seconds": time.perf_counter() - started,
             "at_s": started_at - run.started_at if run.started_at is not None else 0.0}
+  if run.validator is not None:
+    record["validation_loss"] = run.validator(params)
   run.metrics.write("eval", record, step=clock,
                     scalars={"eval/loss": loss, "eval/bits_per_byte": bpb})
   logging.info("eval at step %d: global model %.4f nats/token, %.4f bits/byte%s", clock, loss,
@@ -1003,6 +1017,8 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "num_fragments": len(run.fragments),
       "tokens_trained": int(np.dot(steps_made, tokens_per_step)),
       "final_eval_loss": evals[-1]["eval_loss"],  # nats per token
+      # On the validation split (config.data.validation_fraction; None without one).
+      "final_validation_loss": evals[-1].get("validation_loss"),
       "final_eval_bits_per_byte": evals[-1]["eval_bits_per_byte"],
       "tokenizer": run.data_info["tokenizer"],
       # Bad records left out of the data (empty, missing text field, invalid UTF-8, bad JSON): at
