@@ -1,0 +1,149 @@
+r"""Study 7 of issue 13: the quality gap between decoupled and dp at equal tokens, and how far
+honest tuning closes it.
+
+Tuning reads only a validation split carved from the training text
+(`data.validation_fraction=0.05`, the same for every run, dp included); the eval split is read once
+per configuration, after the choice, to report it. Both modes get tuning budgets of their own:
+
+  1. tune, `--tune_steps` (200) steps, seed 0: dp's inner learning rate over LRS; decoupled by
+     coordinate descent from the defaults, one knob at a time in KNOBS' order (outer learning
+     rate, outer momentum, H and P, the inner learning rate, keeping in-flight progress, the
+     outlier test of the robust merge), each knob set to its best value on validation before
+     the next is tried. Every configuration tried is reported.
+  2. confirm, `--confirm_steps` (800) steps, seeds 0 and 1: dp and decoupled at their defaults and
+     at their tuned settings; the gap is read on the eval split.
+
+Each run is a separate training command (scripts/study_common.py); a stopped study resumes where
+it stopped. Stage 1 is about 13 runs (~35 min on 2 cores), stage 2 8 runs of 800 steps
+(~60-70 min): this study is the long one.
+
+  python scripts/study_quality.py                    # both stages
+  python scripts/study_quality.py --stage=tune
+"""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+
+import study_common as sc  # pylint: disable=g-import-not-at-top
+
+_STAGE = flags.DEFINE_enum("stage", "all", ["tune", "confirm", "all"], "What to run.")
+_TUNE_STEPS = flags.DEFINE_integer("tune_steps", 200, "Steps of every tuning run.")
+_CONFIRM_STEPS = flags.DEFINE_integer("confirm_steps", 800, "Steps of every confirming run.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of the confirming runs.")
+_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+
+VALIDATION = {"data.validation_fraction": 0.05, "eval_every": 0, "eval_batches": 16}
+LRS = (2e-3, 3e-3, 5e-3, 8e-3)  # dp's inner learning rate (tiny_cpu: 3e-3)
+# Decoupled knobs in the order they are tuned; the first value of each is tiny_cpu's default.
+KNOBS = (
+    ("outer", ({}, {"outer.learning_rate": 0.5}, {"outer.learning_rate": 1.0},
+               {"outer.name": "sgd", "outer.learning_rate": 1.0, "outer.momentum": 0.0})),
+    ("momentum", ({}, {"outer.momentum": 0.3}, {"outer.momentum": 0.8})),
+    ("H and P", ({}, {"sync.period": 12, "sync.num_fragments": 12},
+                 {"sync.period": 48, "sync.num_fragments": 24})),
+    ("inner lr", ({}, {"inner.learning_rate": 2e-3}, {"inner.learning_rate": 5e-3})),
+    ("keep in-flight", ({}, {"merge.keep_in_flight_progress": True})),
+    ("outlier test", ({}, {"merge.max_norm_ratio": 0.0})),
+)
+
+
+def figures(workdir, summary):
+  del workdir
+  return {"validation_loss": summary["final_validation_loss"],
+          "final_eval_loss": summary["final_eval_loss"], "goodput": summary.get("goodput"),
+          "wall_seconds": summary["wall_seconds"]}
+
+
+def _name(overrides) -> str:
+  return ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "defaults"
+
+
+def tune(seed: int):
+  """(dp's best overrides, decoupled's best overrides, every configuration tried)."""
+  base = {**VALIDATION, "num_steps": _TUNE_STEPS.value}
+  tried = []
+
+  def trial(mode, overrides):
+    arm = sc.Arm(f"{mode}: {_name(overrides)}", {"mode": mode, **overrides})
+    result = sc.run_study("quality", [arm], [seed], base=base, fresh=_FRESH.value,
+                          figures=figures)[arm.name][seed]
+    tried.append({"mode": mode, "knob": knob_name, "overrides": overrides, **result})
+    return result["validation_loss"]
+
+  knob_name = "inner lr (dp)"
+  dp_scores = {lr: trial("dp", {"inner.learning_rate": lr}) for lr in LRS}
+  dp_best = {"inner.learning_rate": min(dp_scores, key=dp_scores.get)}
+  best: dict = {}
+  for knob_name, values in KNOBS:
+    scores = []
+    for value in values:
+      scores.append((trial("decoupled", {**best, **value}), value))
+    best = {**best, **min(scores, key=lambda s: s[0])[1]}
+  return dp_best, best, tried
+
+
+def main(argv):
+  del argv
+  seeds = [int(s) for s in _SEEDS.value]
+  report = {"tune_steps": _TUNE_STEPS.value, "confirm_steps": _CONFIRM_STEPS.value,
+            "validation": VALIDATION}
+  dp_best, dec_best, tried = tune(seeds[0])
+  report.update(dp_best=dp_best, decoupled_best=dec_best, tried=tried)
+  rows = [[t["mode"], t["knob"], _name(t["overrides"]), f"{t['validation_loss']:.4f}",
+           f"{t['final_eval_loss']:.4f}"] for t in tried]
+  tune_table = sc.markdown_table(
+      ["mode", "knob", "settings", "validation loss", "eval loss (not used to choose)"], rows)
+  print(tune_table)
+  markdown = (f"# Study: the quality gap to dp\n\n`python scripts/study_quality.py "
+              f"--tune_steps={_TUNE_STEPS.value} --confirm_steps={_CONFIRM_STEPS.value} "
+              f"--seeds={','.join(map(str, seeds))}`; every run holds out "
+              f"data.validation_fraction=0.05 of the training text.\n\n"
+              f"## 1. Tuning, {_TUNE_STEPS.value} steps, seed {seeds[0]}, chosen on validation\n\n"
+              f"{tune_table}\n\ndp's best: {_name(dp_best)}; decoupled's best: "
+              f"{_name(dec_best)}.\n")
+  if _STAGE.value != "tune":
+    base = {**VALIDATION, "num_steps": _CONFIRM_STEPS.value}
+    arms = [sc.Arm("dp, defaults", {"mode": "dp"}),
+            sc.Arm("dp, tuned", {"mode": "dp", **dp_best}),
+            sc.Arm("decoupled, defaults", {"mode": "decoupled"}),
+            sc.Arm("decoupled, tuned", {"mode": "decoupled", **dec_best})]
+    runs = sc.run_study("quality", arms, seeds, base=base, fresh=_FRESH.value, figures=figures)
+    stats = sc.summarize(runs, ["final_eval_loss", "validation_loss"])
+    report.update(confirm_stats=stats, confirm_runs=runs)
+    rows = []
+    for arm in runs:
+      dp = stats["dp, tuned" if "tuned" in arm else "dp, defaults"]["final_eval_loss"]["mean"]
+      s = stats[arm]
+      rows.append([arm, sc.fmt(s["final_eval_loss"]), f"{s['final_eval_loss']['mean'] / dp - 1:+.2%}",
+                   sc.fmt(s["validation_loss"]), f"{s['final_eval_loss']['spread']:.4f}"])
+    confirm_table = sc.markdown_table(
+        ["arm", "final eval loss (min-max)", "vs dp alike", "validation loss", "seed spread"],
+        rows)
+    print(confirm_table)
+    markdown += (f"\n## 2. Confirmed, {_CONFIRM_STEPS.value} steps, seeds {seeds}\n\n"
+                 f"{confirm_table}\n")
+  stem = sc.write("quality", report, markdown)
+  _plot(stem, tried)
+
+
+def _plot(stem, tried):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(9, 4))
+  for i, t in enumerate(tried):
+    ax.scatter(i, t["validation_loss"], color="C0" if t["mode"] == "dp" else "C1")
+  ax.set(xticks=range(len(tried)), xlabel="configuration tried (in order; dp blue, decoupled "
+         "orange)", ylabel="validation loss (nats/byte)", title="tuning on validation")
+  fig.tight_layout()
+  fig.savefig(f"{stem}.png", dpi=100)
+  print(f"wrote {stem}.png")
+
+
+if __name__ == "__main__":
+  app.run(main)
