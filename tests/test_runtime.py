@@ -291,6 +291,21 @@ def test_step_noise_spreads_each_learners_step_times_by_its_own_draws(tmp_path):
   assert np.abs(corr[np.triu_indices(4, 1)]).max() < 0.9, corr
 
 
+def test_a_step_delay_shorter_than_the_step_still_slows_the_learner_by_the_delay(tmp_path):
+  """learner_step_delays_s emulates slower hardware: a step takes its own time plus the delay,
+  also when the delay is shorter than the step (slept while the step ran, it hid behind it).
+  One learner, so that no other learner's steps change how long its own take."""
+  # A step long on the devices (a wider model, a bigger batch) next to its host work.
+  one = dict(num_steps=16, data__batch_size=64, model__embed_dim=128, model__mlp_dim=512,
+             num_learners=1, learner_mesh_shapes=((2, 1),))
+  quiet_run, _ = _run(tmp_path / "quiet", **one)
+  quiet = float(np.median(quiet_run.learners[0].step_times[2:]))
+  delay = round(quiet / 2, 4)
+  run, _ = _run(tmp_path / "slow", learner_step_delays_s=(delay,), **one)
+  slow = float(np.median(run.learners[0].step_times[2:]))
+  assert slow - quiet > 0.7 * delay, (quiet, delay, slow)
+
+
 def test_learners_of_different_batch_sizes_train_count_and_weigh_their_own_tokens(tmp_path):
   """config.data.learner_batch_sizes: each learner steps on its own batch; the summary counts
   the tokens each one trained, and the merge weights (tokens^2 / steps) grow with the batch."""

@@ -118,7 +118,7 @@ class LearnerOptions:
   # On receiving a merge, keep the steps no merge has taken yet: theta <- Theta + (those steps), and
   # the counters keep them. False = the paper's plain overwrite, which drops them.
   keep_in_flight_progress: bool
-  step_delay_s: float  # emulated slower hardware
+  step_delay_s: float  # emulated slower hardware: each step takes its own time plus this
   # Emulated step-time noise: after each step the learner also sleeps a number of seconds drawn
   # uniformly from [0, 2 x this), from `noise_seed`'s own stream (mean this, std this / sqrt(3)).
   step_noise_s: float
@@ -465,6 +465,9 @@ class Learner:
       if self._trace is not None:
         self._trace.after_step(self.step, self._state)
       if opts.step_delay_s or opts.step_noise_s:
+        # Slower hardware: the step's own time, then the delay. Slept while the step was still
+        # running, a delay shorter than the step would hide behind it and slow nothing.
+        jax.block_until_ready(step_metrics)
         time.sleep(opts.step_delay_s + opts.step_noise_s * 2 * noise.random())
       if opts.lock_step:
         self._push_due_offers()
