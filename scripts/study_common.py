@@ -11,7 +11,8 @@ study_learners' M = 8) run it once.
 Seeds go round the arms (seed 0 of every arm, then seed 1 of every arm, ...), so a change in the
 machine's load during a study falls on every arm alike.
 
-The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
+STUDY_READ_ONLY=1 makes the tables and figures again from the runs made, and fails rather than
+train. The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
 says which and prints its table.
 """
 
@@ -62,11 +63,15 @@ def run_one(workdir: pathlib.Path, overrides: Mapping[str, Any], *, fresh: bool,
   command and the merge records of metrics.jsonl (`merges`)."""
   overrides = {**QUIET, **overrides, "workdir": str(workdir)}
   cmd = command(overrides, config)
+  if not (workdir / "summary.json").exists():
+    _adopt(workdir, cmd)
   done = workdir / "summary.json"
   stamp = workdir / "command.json"
   if (not fresh and done.exists() and stamp.exists()
-      and json.loads(stamp.read_text()) == cmd):
+      and _same_run(json.loads(stamp.read_text()), cmd)):
     summary = json.loads(done.read_text())
+  elif os.environ.get("STUDY_READ_ONLY"):  # tables and figures again from the runs made
+    raise RuntimeError(f"STUDY_READ_ONLY: no finished run of {' '.join(cmd)}")
   else:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -80,6 +85,25 @@ def run_one(workdir: pathlib.Path, overrides: Mapping[str, Any], *, fresh: bool,
     summary = json.loads(done.read_text())
   summary["command"] = cmd
   return summary
+
+
+def _adopt(workdir: pathlib.Path, cmd: list[str]) -> None:
+  """Moves a finished run of the same command made under another name (another checkout's
+  workdir naming) to `workdir`."""
+  for other in workdir.parent.glob("*/command.json"):
+    if other.parent != workdir and (other.parent / "summary.json").exists() and _same_run(
+        json.loads(other.read_text()), cmd):
+      shutil.rmtree(workdir, ignore_errors=True)  # a run stopped before its summary
+      other.parent.rename(workdir)
+      return
+
+
+def _same_run(recorded: list[str], cmd: list[str]) -> bool:
+  """The same command but for where the repo is (the python and config paths)."""
+  def key(c):
+    return [a.split("/experiments/")[-1] if a.startswith("--config=") else a for a in c[1:]
+            if not a.startswith("--config.workdir=")]
+  return key(recorded) == key(cmd)
 
 
 def metrics(workdir: pathlib.Path, kind: str) -> list[dict[str, Any]]:
@@ -110,7 +134,9 @@ def run_study(name: str, arms: Sequence[Arm], seeds: Sequence[int], *,
   for i, seed in enumerate(seeds):
     for j, arm in enumerate(arms):
       overrides = {**base, "seed": seed, **arm.overrides}
-      key = json.dumps([str(config), sorted((k, _flag_value(v)) for k, v in overrides.items())])
+      # The config by its path in the repo: a study run from another checkout finds the runs.
+      where = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
+      key = json.dumps([str(where), sorted((k, _flag_value(v)) for k, v in overrides.items())])
       workdir = root / hashlib.sha1(key.encode()).hexdigest()[:12]
       t0 = time.perf_counter()
       summary = run_one(workdir, overrides, fresh=fresh, config=config)
