@@ -125,7 +125,7 @@ class OuterSettings:
 class CompressionSettings:
   outer_grad: str  # learner -> syncer wire format, compression.FORMATS
   broadcast: str  # syncer -> learner wire format, fp32 | bf16
-  block_size: int  # values per fp32 scale of int8 / int4
+  block_size: int  # values per fp32 scale of the integer formats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("merge.alpha", float("nan"), "config.merge.alpha=nan"),
     ("outer.name", "lion", "config.outer.name"),
     ("outer.learning_rate", -1.0, "config.outer.learning_rate"),
-    ("compression.outer_grad", "int2", "config.compression.outer_grad='int2'"),
+    ("compression.outer_grad", "int3", "config.compression.outer_grad='int3'"),
     ("compression.broadcast", "int4", "config.compression.broadcast='int4'"),
     ("inner.learning_rate", -3e-3, "config.inner.learning_rate"),
     ("model.num_heads", 0, "config.model.num_heads"),
