@@ -52,6 +52,8 @@ RUNTIMES = ("threads", "ray")
 RAY_FAULTS = ("crash", "syncer_crash", "corrupt_checkpoint")
 ANCHORS = ("learner", "syncer")
 BROADCAST_FORMATS = ("fp32", "bf16")
+# config.compression.broadcast_delta: "none" (full broadcasts) or a lossy outer-gradient format.
+BROADCAST_DELTA_FORMATS = ("none",) + tuple(f for f in compression.FORMATS if f != "fp32")
 
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
 _DERIVED = {"derived": True}
@@ -124,8 +126,11 @@ class OuterSettings:
 @dataclasses.dataclass(frozen=True)
 class CompressionSettings:
   outer_grad: str  # learner -> syncer wire format, compression.FORMATS
-  broadcast: str  # syncer -> learner wire format, fp32 | bf16
-  block_size: int  # values per fp32 scale of int8 / int4
+  broadcast: str  # syncer -> learner wire format, fp32 | bf16 (with broadcast_delta: keyframes)
+  block_size: int  # values per fp32 scale of the integer formats
+  # "none": every merge sends the whole Theta_p; else the format of Theta_p - R_p, the change from
+  # what the learners hold (runtime/global_model.py, the delta broadcast)
+  broadcast_delta: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,7 +706,21 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   compression_settings = CompressionSettings(
       outer_grad=_check_choice(config, "compression.outer_grad", compression.FORMATS),
       broadcast=_check_choice(config, "compression.broadcast", BROADCAST_FORMATS),
-      block_size=_check_int(config, "compression.block_size", 1))
+      block_size=_check_int(config, "compression.block_size", 1),
+      broadcast_delta=_check_choice(config, "compression.broadcast_delta",
+                                    BROADCAST_DELTA_FORMATS))
+  if compression_settings.broadcast_delta != "none":
+    delta = compression_settings.broadcast_delta
+    if compression_settings.broadcast != "fp32":
+      # A keyframe is the base later deltas add to: a rounded one would leave the learner off
+      # R_p for good, where the deltas keep every learner exact.
+      _fail("compression.broadcast", compression_settings.broadcast,
+            f"must be 'fp32' with config.compression.broadcast_delta={delta!r}: keyframes carry "
+            "R_p exactly, the base every later delta adds to")
+    if runtime == "ray":
+      _fail("compression.broadcast_delta", delta,
+            "runs with config.runtime='threads' only so far (use broadcast_delta='none' with "
+            "runtime='ray')")
   # The lm's dataclasses check their own fields and name them; the schedule checks the warmup
   # against num_steps.
   inner_cfg = inner.InnerConfig(**_section(config, "inner"))

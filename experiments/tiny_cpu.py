@@ -173,9 +173,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer.momentum = 0.6
 
   config.compression = ml_collections.ConfigDict()
-  config.compression.outer_grad = "bf16"  # learner -> syncer outer gradients: fp32 | bf16 | int8 | int4
+  # learner -> syncer outer gradients: fp32 | bf16 | int8 | int4 | int2 (ternary) | int1 (sign x
+  # mean|x|); the paper reports 2- and 1-bit collapse: offered to measure that
+  config.compression.outer_grad = "bf16"
   config.compression.broadcast = "fp32"  # syncer -> learner Theta: fp32 | bf16
-  config.compression.block_size = 64  # values per fp32 scale for int8 / int4
+  # "none": each merge broadcasts the whole Theta_p. bf16 | int8 | int4 | int2 | int1: it broadcasts
+  # Theta_p - R_p in that format, R_p being what the learners hold (one more copy of the parameters
+  # on the syncer); a learner that missed one gets a keyframe of R_p (needs broadcast="fp32")
+  config.compression.broadcast_delta = "none"
+  config.compression.block_size = 64  # values per fp32 scale of the integer formats
 
   config.inner = ml_collections.ConfigDict()
   config.inner.learning_rate = 3e-3  # AdamW peak

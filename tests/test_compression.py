@@ -40,7 +40,7 @@ def test_bf16_relative_error_is_at_most_2_to_the_minus_8():
   assert not np.array_equal(y, x)  # it did round
 
 
-@pytest.mark.parametrize("fmt, qmax", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("fmt, qmax", [("int8", 127), ("int4", 7), ("int2", 1)])
 @pytest.mark.parametrize("block_size", [1, 7, 64, 1000])
 def test_int_error_is_at_most_half_a_step_of_each_block(fmt, qmax, block_size):
   x = _random((10, 101), seed=2)
@@ -56,7 +56,7 @@ def test_int_error_is_at_most_half_a_step_of_each_block(fmt, qmax, block_size):
   assert np.all(err <= scale_N / 2 * (1 + 1e-6) + 1e-6 * np.abs(x))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
 def test_int_keeps_the_largest_value_of_each_block(fmt):
   # The absmax of a block is q_max · scale: it decodes to itself up to float32 rounding.
   x = _random((256,), seed=3)
@@ -93,6 +93,13 @@ def test_a_zero_block_stays_zero_next_to_a_large_block():
         (1, "int4", 64, 5),  # a scalar: 1 byte + 1 scale
         (7, "int8", 2, 23),  # 7 + ⌈7/2⌉ = 4 scales · 4 bytes
         (0, "int4", 64, 0),
+        (1000, "int2", 64, 314),  # 250 bytes of packed quads + 16 scales · 4 bytes
+        (1001, "int2", 64, 315),  # 1001 values need 251 bytes
+        (1000, "int1", 64, 189),  # 125 bytes of packed bits + 16 scales · 4 bytes
+        (1001, "int1", 64, 190),  # 1001 bits need 126 bytes
+        (9, "int1", 4, 14),  # 2 bytes of bits + 3 scales
+        (1, "int2", 64, 5),
+        (0, "int1", 64, 0),
     ],
 )
 def test_nbytes_by_hand(num_elements, fmt, block_size, expected):
@@ -116,9 +123,12 @@ def test_odd_sizes_and_scalars_keep_their_shape(fmt, shape):
   x = _random(shape, seed=5)
   y = comp.decode(comp.encode(x, fmt, 4))
   assert y.shape == shape
-  # Every format keeps the sign and the order of magnitude of the largest value.
+  # Every format keeps the sign of the largest value; all but int1 (which keeps the block's mean
+  # magnitude instead) its value too.
   j = np.unravel_index(np.argmax(np.abs(x)), shape) if shape else ()
-  assert y[j] == pytest.approx(x[j], rel=2.0**-8)
+  assert np.sign(y[j]) == np.sign(x[j])
+  if fmt != "int1":
+    assert y[j] == pytest.approx(x[j], rel=2.0**-8)
 
 
 def test_int4_packs_two_offset_values_per_byte():
@@ -128,6 +138,69 @@ def test_int4_packs_two_offset_values_per_byte():
   np.testing.assert_array_equal(enc.payload[0], np.array([31, 136], np.uint8))
   np.testing.assert_array_equal(enc.payload[1], np.array([1.0], np.float32))
   np.testing.assert_array_equal(comp.decode(enc), [7.0, -7.0, 0.0])
+
+
+def test_int2_packs_four_ternary_codes_per_byte():
+  # x = [2, -2, 0, 0.9, -1.1] in one block: scale 2, q = [1, -1, 0, 0, -1] (0.45 and -0.55 round
+  # to 0 and -1), stored +1 as codes [2, 0, 1, 1, 0] plus 3 padding 1s; lowest bits first:
+  # bytes [2 | 0 << 2 | 1 << 4 | 1 << 6, 0 | 1 << 2 | 1 << 4 | 1 << 6] = [82, 84].
+  enc = comp.encode(np.array([2.0, -2.0, 0.0, 0.9, -1.1], np.float32), "int2", 64)
+  np.testing.assert_array_equal(enc.payload[0], np.array([82, 84], np.uint8))
+  np.testing.assert_array_equal(enc.payload[1], np.array([2.0], np.float32))
+  np.testing.assert_array_equal(comp.decode(enc), [2.0, -2.0, 0.0, 0.0, -2.0])
+
+
+def test_int2_is_ternary():
+  y = comp.decode(comp.encode(_random((1000,), seed=9), "int2", 64))
+  for i in range(0, 1000, 64):
+    assert len(set(np.abs(y[i : i + 64]).tolist()) - {0.0}) == 1  # {-s, 0, +s}
+  assert np.count_nonzero(y == 0) > 0
+
+
+def test_int1_packs_eight_sign_bits_per_byte_lowest_first():
+  # Nine values, one block: bits (x >= 0; 0 counts as +) [1, 0, 1, 1, 0, 0, 0, 1 | 0] -> bytes
+  # [1 + 4 + 8 + 128, 0] = [141, 0]; scale = mean |x| = 18.5 / 9.
+  x = np.array([1.0, -2.0, 3.0, 0.0, -4.0, -1.0, -2.0, 5.0, -0.5], np.float32)
+  enc = comp.encode(x, "int1", 64)
+  np.testing.assert_array_equal(enc.payload[0], np.array([141, 0], np.uint8))
+  assert enc.payload[1].tolist() == [pytest.approx(18.5 / 9)]
+  s = np.float32(18.5 / 9)
+  np.testing.assert_array_equal(comp.decode(enc), np.where(x >= 0, s, -s))
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 64, 1000])
+def test_int1_keeps_every_sign_and_each_blocks_l1_mass(block_size):
+  x = _random((10, 101), seed=10)
+  y = comp.decode(comp.encode(x, "int1", block_size)).reshape(-1)
+  flat = x.reshape(-1)
+  assert np.all(np.sign(y[flat != 0]) == np.sign(flat[flat != 0]))
+  for i in range(0, flat.size, block_size):
+    block, decoded = flat[i : i + block_size], y[i : i + block_size]
+    # One magnitude per block, and the block's sum of |x| kept (float32 rounding of the mean).
+    assert len(set(np.abs(decoded).tolist())) == 1
+    assert np.abs(decoded).sum() == pytest.approx(np.abs(block.astype(np.float64)).sum(),
+                                                  rel=1e-5)
+
+
+def test_int1_of_a_constant_magnitude_block_is_exact():
+  x = np.array([0.25, -0.25, -0.25, 0.25, 0.25], np.float32)
+  np.testing.assert_array_equal(comp.decode(comp.encode(x, "int1", 3)), x)
+
+
+@pytest.mark.parametrize("fmt", ["int2", "int1"])
+@pytest.mark.parametrize("n", [1, 3, 5, 7, 8, 9, 15, 17, 63, 65])
+def test_low_bit_packing_round_trips_odd_sizes(fmt, n):
+  # Values that each format represents exactly: packing and unpacking must give them back for
+  # every count, whatever the padding of the last byte.
+  rng = np.random.default_rng(n)
+  if fmt == "int2":
+    x = rng.integers(-1, 2, n).astype(np.float32) * 0.5
+    x[0] = 0.5  # the block's absmax is the scale
+  else:
+    x = np.where(rng.integers(0, 2, n) > 0, 0.5, -0.5).astype(np.float32)
+  enc = comp.encode(x, fmt, 64)
+  assert enc.payload[0].size == math.ceil(n / (4 if fmt == "int2" else 8))
+  np.testing.assert_array_equal(comp.decode(enc), x)
 
 
 def test_int8_values_stay_in_the_symmetric_range():
@@ -160,10 +233,10 @@ def test_non_finite_values_are_refused_by_int_formats():
 
 
 def test_bad_settings_name_the_config_field():
-  with pytest.raises(ValueError, match=r"'int2'.*config\.compression\.outer_grad.*'int4'"):
-    comp.encode(np.zeros(3), "int2", 64)
-  with pytest.raises(ValueError, match=r"'fp32', 'bf16', 'int8', 'int4'"):
-    comp.encoded_nbytes(3, "int2", 64)
+  with pytest.raises(ValueError, match=r"'int3'.*config\.compression\.outer_grad.*'int4'"):
+    comp.encode(np.zeros(3), "int3", 64)
+  with pytest.raises(ValueError, match=r"'fp32', 'bf16', 'int8', 'int4', 'int2', 'int1'"):
+    comp.encoded_nbytes(3, "fp8", 64)
   for block_size in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match=r"config\.compression\.block_size"):
       comp.encode(np.zeros(3), "int8", block_size)

@@ -214,3 +214,32 @@ def test_steps_an_overwrite_dropped_are_not_discarded_once_a_merge_takes_them_in
   assert learner.discarded_fragment_tokens == 100 * (7 - 5 + 1)
   learner._apply(_broadcast(built, 2.5, 3, {0: 8}))  # ... and merges it after all
   assert learner.discarded_fragment_steps == 2 and learner._counter_steps[P] == 0
+
+
+def _delta(run, value, version, base_version):
+  shapes = {n: v.shape for n, v in run.syncer.model.fragment_params(P).items()}
+  delta = {n: np.full(shapes[n], value, np.float32) for n in _names(run)}
+  return messages.Broadcast(P, version, compression.encode_tree(delta, "int4", 64), {},
+                            base_version=base_version)
+
+
+def test_a_delta_broadcast_adds_to_the_anchor_of_its_base_version_and_is_ignored_otherwise(built):
+  learner = _learner(built)
+  _set(learner, built, 1.0, step=5, steps=5, anchor=0.5)
+  delta = _delta(built, 0.3, 1, base_version=0)
+  learner._apply(delta)
+  # The anchor plus the decoded delta, in float32: what the syncer adds to its R_p too.
+  expected = {n: np.float32(0.5) + compression.decode(delta.values[n]) for n in _names(built)}
+  for name, value in _values(learner, built).items():
+    np.testing.assert_array_equal(value, expected[name])
+    np.testing.assert_array_equal(learner._anchors[name], expected[name])
+  assert learner._anchor_versions[P] == 1 and learner.ignored_deltas == 0
+  # A delta against version 2, which this learner never received: applying it would give a wrong
+  # Theta_p. It is ignored; the keyframe that follows is applied.
+  learner._apply(_delta(built, 0.3, 3, base_version=2))
+  assert learner._anchor_versions[P] == 1 and learner.ignored_deltas == 1
+  for name, value in _values(learner, built).items():
+    np.testing.assert_array_equal(value, expected[name])
+  learner._apply(_broadcast(built, 2.0, 3, {}))
+  _assert_all(_values(learner, built), 2.0)
+  assert learner._anchor_versions[P] == 3

@@ -471,3 +471,24 @@ def test_a_deep_stacked_model_builds_about_as_fast_as_a_shallow_one(tmp_path):
       tmp_path / str(layers), model__num_layers=layers, model__scan_layers=True, num_learners=2)
              for layers in (4, 16)}
   assert seconds[16] <= 1.5 * seconds[4], seconds
+
+def test_delta_broadcast_trains_sends_fewer_bytes_down_and_leaves_every_learner_on_r_p(tmp_path):
+  """config.compression.broadcast_delta=int4: merges send Theta_p - R_p in int4 (keyframes to
+  learners that do not hold R_p's version: finished ones in the flush)."""
+  _, full = _run(tmp_path / "full")
+  run, summary = _run(tmp_path / "delta", compression__broadcast_delta="int4")
+  assert summary["merges"] > 0 and summary["learner_errors"] == [None] * 4
+  # Trained: under the uniform-byte loss ln(256) = 5.55 nats the untrained model starts at.
+  assert np.isfinite(summary["final_eval_loss"]) and summary["final_eval_loss"] < 5.0
+  assert summary["bytes_syncer_to_learners"] < 0.5 * full["bytes_syncer_to_learners"]
+  print("bytes_syncer_to_learners: full", full["bytes_syncer_to_learners"], "int4 delta",
+        summary["bytes_syncer_to_learners"], "keyframes", run.syncer.stats.keyframes,
+        "merges", summary["merges"], full["merges"], "loss", summary["final_eval_loss"],
+        full["final_eval_loss"])
+  # Every learner ends holding R_p of the newest version, bit for bit.
+  versions = np.asarray(run.syncer.model.versions)
+  for learner in run.learners:
+    np.testing.assert_array_equal(learner._anchor_versions, versions)
+    for p in range(len(run.fragments)):
+      for name, value in run.syncer.model.received_fragment(p).items():
+        np.testing.assert_array_equal(learner._anchors[name], value, err_msg=name)

@@ -45,8 +45,10 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("merge.alpha", float("nan"), "config.merge.alpha=nan"),
     ("outer.name", "lion", "config.outer.name"),
     ("outer.learning_rate", -1.0, "config.outer.learning_rate"),
-    ("compression.outer_grad", "int2", "config.compression.outer_grad='int2'"),
+    ("compression.outer_grad", "int3", "config.compression.outer_grad='int3'"),
     ("compression.broadcast", "int4", "config.compression.broadcast='int4'"),
+    ("compression.broadcast_delta", "int3", "config.compression.broadcast_delta='int3' is invalid: "
+     "must be one of none, bf16, int8, int4, int2, int1"),
     ("inner.learning_rate", -3e-3, "config.inner.learning_rate"),
     ("model.num_heads", 0, "config.model.num_heads"),
     ("data.source", "/no/such/corpus.txt", "config.data.source='/no/such/corpus.txt'"),
@@ -221,3 +223,17 @@ def test_dp_steps_at_the_pace_of_its_slowest_host():
   config.mode = "dp"
   config.learner_step_delays_s = (0.0, 0.0, 0.0, 0.25)
   assert settings.validate(config).learner_step_delays_s == (0.25,)
+
+
+def test_the_delta_broadcast_is_validated_with_the_fields_it_depends_on():
+  run = settings.validate(_config(**{"compression.broadcast_delta": "int4"}))
+  assert run.compression.broadcast_delta == "int4"
+  assert settings.validate(_config()).compression.broadcast_delta == "none"
+  # Keyframes are the base later deltas add to: they must be exact.
+  with pytest.raises(ValueError, match=r"config\.compression\.broadcast='bf16' is invalid: must be "
+                                       r"'fp32' with config\.compression\.broadcast_delta='int4'"):
+    settings.validate(_config(**{"compression.broadcast_delta": "int4",
+                                 "compression.broadcast": "bf16"}))
+  with pytest.raises(ValueError, match=r"config\.compression\.broadcast_delta='int2' is invalid: "
+                                       r"runs with config\.runtime='threads' only"):
+    settings.validate(_config(**{"compression.broadcast_delta": "int2", "runtime": "ray"}))

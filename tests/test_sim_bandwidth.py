@@ -16,6 +16,8 @@ from decoupled_diloco.sim import bandwidth as bw
         (1000, "int4", 64, 564),  # 500 bytes of packed pairs + 16 scales
         (1001, "int4", 64, 565),  # an odd count pads half a byte
         (1, "int4", 64, 5),
+        (1001, "int2", 64, 251 + 64),  # four values a byte
+        (1001, "int1", 64, 126 + 64),  # eight values a byte
         (7, "int8", 2, 23),  # 7 + 4 scales · 4 bytes
         (0, "int4", 64, 0),
     ],
@@ -104,7 +106,7 @@ def test_dp_slows_down_on_a_thin_wan_link_and_decoupled_does_not():
 
 def test_bad_arguments_name_the_field():
   with pytest.raises(ValueError, match="outer_grad_format"):
-    bw.bytes_per_inner_step(100, 4, "int2", "bf16")
+    bw.bytes_per_inner_step(100, 4, "int3", "bf16")
   with pytest.raises(ValueError, match="num_fragments"):
     bw.bytes_per_inner_step(100, 0)
   with pytest.raises(ValueError, match="num_workers"):

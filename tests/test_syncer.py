@@ -17,6 +17,7 @@ from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.runtime import global_model as global_model_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
@@ -56,7 +57,7 @@ class NotLanded(np.ndarray):
 def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
             num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
             num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None,
-            heartbeat_timeout_s=0.0):
+            heartbeat_timeout_s=0.0, broadcast_delta="none"):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
                                       embedding_names=("embedder/embedding",))
@@ -70,7 +71,8 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
       initial_params={n: np.full(s, initial, np.float32) for n, s in SHAPES.items()},
       mesh=mesh, outer_tx=outer_tx or outer.make_outer_optimizer("sgd", 1.0, 0.0),
       merge=default_settings("merge", rule=rule, anchor=anchor, max_norm_ratio=max_norm_ratio),
-      compression=default_settings("compression", outer_grad="fp32"),
+      compression=default_settings("compression", outer_grad="fp32",
+                                   broadcast_delta=broadcast_delta),
       num_learners=num_learners, num_workers=1, metrics=metrics)
   syncer.compile()
   learners = [Scripted(m) for m in range(num_learners if attached is None else attached)]
@@ -637,3 +639,171 @@ def test_a_learner_that_stops_reporting_is_absent_after_the_timeout_and_back_whe
   [back] = metrics_lib.read_records(str(tmp_path), "back")
   assert (absent["learner"], absent["timeout_s"]) == (1, timeout) and absent["silent_s"] > timeout
   assert (back["learner"], back["fragments_sent"]) == (1, [p]) and back["absent_s"] > 0
+
+
+# ---- the delta broadcast (config.compression.broadcast_delta) ----------------------------------
+
+
+def _delta_model(fmt, shapes=(("w", (64, 48)), ("b", (100,)))):
+  """A one-fragment global model with the delta broadcast in `fmt` (outer SGD, lr 1)."""
+  shapes = dict(shapes)
+  fragments = fragments_lib.partition(
+      {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes.items()}, 1, "balanced")
+  rng = np.random.default_rng(0)
+  return global_model_lib.GlobalModel(
+      fragments=fragments,
+      initial_params={n: rng.normal(0, 1, s).astype(np.float32) for n, s in shapes.items()},
+      mesh=Mesh(np.array(jax.devices()[:1]), ("learner",)),
+      outer_tx=outer.make_outer_optimizer("sgd", 1.0, 0.0),
+      merge=default_settings("merge", rule="average"),
+      compression=default_settings("compression", outer_grad="fp32", broadcast_delta=fmt),
+      num_learners=1)
+
+
+def _merge_random(model, anchors, version, k, rng):
+  """Merges one offer whose outer gradient is random (anchored at `version`): Theta moves."""
+  offer = messages.Offer(
+      learner=0, fragment=0, step=k + 1, since=k, steps=1, tokens=100, anchor_version=version,
+      values={n: a - rng.normal(0, 0.05, a.shape).astype(np.float32) for n, a in anchors.items()},
+      anchor=anchors)
+  result = model.merge(0, (offer,))
+  return result, model.install(result)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int2", "int1"])
+def test_a_learner_applying_every_delta_holds_r_p_bit_for_bit_and_r_p_never_drifts(fmt):
+  model = _delta_model(fmt)
+  model.compile()
+  rng = np.random.default_rng(1)
+  anchors, version = model.fragment_params(0), 0  # the learner starts from the initial Theta
+  num_params = sum(a.size for a in anchors.values())
+  for k in range(60):
+    result, version = _merge_random(model, anchors, version, k, rng)
+    assert result.base_version == version - 1
+    # The learner's rule (Learner._apply): anchor + decode(delta), in float32.
+    anchors = {n: anchors[n] + compression.decode(result.wire[n]) for n in anchors}
+    received, theta = model.received_fragment(0), model.fragment_params(0)
+    nbytes = sum(enc.nbytes for enc in result.wire.values())
+    assert nbytes == sum(compression.encoded_nbytes(a.size, fmt, 64) for a in anchors.values())
+    for name, value in anchors.items():
+      np.testing.assert_array_equal(value, received[name], err_msg=f"merge {k} {name}")
+      if fmt in ("int8", "int4", "int2"):
+        # Within half a step of the last delta's own scale, however many merges came before:
+        # each delta carries the error the previous ones left.
+        scale_N = np.repeat(result.wire[name].payload[1], 64)[: value.size].reshape(value.shape)
+        err = np.abs(received[name].astype(np.float64) - theta[name])
+        assert np.all(err <= scale_N / 2 * (1 + 1e-5) + 4e-7 * np.abs(theta[name])), (k, name)
+  if fmt == "int4":
+    # About 1/8 of a full fp32 broadcast: 4.5 bits a value at 64 values a scale.
+    assert nbytes / (4 * num_params) == pytest.approx(4.5 / 32, rel=0.01)
+  # No drift: a delta that had dropped its predecessors' error (Theta_new - Theta_old encoded)
+  # would leave R_p a random walk of 60 such errors away from Theta; this one stays within the
+  # worst error of one delta (each moves Theta by ~N(0, 0.05), at most ~0.25: int4 is off by
+  # 0.25 / 14 at most, bf16 by 0.25 * 2^-8).
+  drift = max(np.abs(received[n] - theta[n]).max() for n in theta)
+  assert drift < {"bf16": 1e-3, "int8": 1e-3, "int4": 0.02, "int2": 0.13, "int1": 0.3}[fmt]
+
+
+def test_the_delta_broadcast_holds_one_more_copy_of_the_parameters():
+  model = _delta_model("int4")
+  num_params = 64 * 48 + 100
+  # Theta and R_p, 4 bytes a parameter each (plain SGD keeps no outer slot).
+  assert model.steady_state_bytes() == model.held_bytes() == 8 * num_params
+  assert _delta_model("none").held_bytes() == 4 * num_params
+
+
+def test_a_restored_syncer_sends_a_keyframe_before_any_delta():
+  """R_p is not checkpointed: after a restore the learners may hold another value than Theta_p,
+  so the next merge of each fragment sends its full value, and deltas follow that keyframe."""
+  model = _delta_model("int4")
+  model.compile()
+  rng = np.random.default_rng(2)
+  anchors, version = model.fragment_params(0), 0
+  for k in range(3):
+    result, version = _merge_random(model, anchors, version, k, rng)
+    anchors = {n: anchors[n] + compression.decode(result.wire[n]) for n in anchors}
+  arrays, values = model.state()
+  restored = _delta_model("int4")
+  restored.compile()
+  restored.load_state(arrays, values)
+  result, version = _merge_random(restored, anchors, version, 3, rng)
+  assert result.base_version is None and version == 4
+  anchors = compression.decode_tree(result.wire)  # a keyframe: the value itself, fp32
+  result, version = _merge_random(restored, anchors, version, 4, rng)
+  assert result.base_version == 4
+  anchors = {n: anchors[n] + compression.decode(result.wire[n]) for n in anchors}
+  for name, value in restored.received_fragment(0).items():
+    np.testing.assert_array_equal(anchors[name], value)
+
+
+class Holder(Scripted):
+  """A LearnerLink that holds its anchors and applies broadcasts as `Learner._apply` does (a
+  delta only against the version it holds), and loses what is delivered while `cut` is set."""
+
+  def __init__(self, index, syncer):
+    super().__init__(index)
+    self.anchors = syncer.model.params()
+    self.versions = np.zeros(len(syncer.model.fragments), np.int64)
+    self.cut = False
+    self.ignored = 0
+    self.lock = threading.Lock()
+
+  def deliver(self, broadcast):
+    if self.cut:
+      return
+    self.received.append(broadcast)
+    p = broadcast.fragment
+    with self.lock:
+      if broadcast.version <= self.versions[p]:
+        return
+      if broadcast.base_version is not None and broadcast.base_version != self.versions[p]:
+        self.ignored += 1
+        return
+      for name, enc in broadcast.values.items():
+        value = compression.decode(enc)
+        self.anchors[name] = (value if broadcast.base_version is None
+                              else self.anchors[name] + value)
+      self.versions[p] = broadcast.version
+
+  def report(self, syncer, step):
+    with self.lock:
+      versions = self.versions.copy()
+    syncer.post(messages.StepReport(self.index, step, 0.01, 100, versions))
+
+
+def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_others(running):
+  syncer, _ = _syncer(period=2, broadcast_delta="int4", attached=0,
+                      outer_tx=outer.make_outer_optimizer("sgd", 0.5, 0.0))
+  links = [Holder(m, syncer) for m in range(2)]
+  rng = np.random.default_rng(3)
+  for link in links:
+    syncer.attach(link.index, link)
+    for p in range(2):
+      def answer(merged_through, link=link, p=p):
+        names = syncer.model.fragments[p].names
+        with link.lock:
+          anchor = {n: link.anchors[n] for n in names}
+          version = int(link.versions[p])
+        return messages.Offer(
+            learner=link.index, fragment=p, step=merged_through + 2, since=merged_through,
+            steps=2, tokens=200, anchor_version=version, anchor=anchor,
+            values={n: anchor[n] - rng.normal(0, 0.1, anchor[n].shape).astype(np.float32)
+                    for n in names})
+      link.answers[p] = answer
+  running(syncer)
+  for step in range(1, 41):
+    links[1].cut = 10 <= step < 14  # a partition: learner 1 loses the broadcasts meanwhile
+    for link in links:
+      link.report(syncer, step)
+    time.sleep(0.02)
+  _wait(lambda: syncer.stats.merges >= 16)
+  time.sleep(0.2)  # the last merges delivered
+  assert any(b.base_version is not None for b in links[0].received)  # deltas did travel
+  assert syncer.stats.keyframes >= 1  # learner 1's, after the partition
+  versions = np.asarray(syncer.model.versions)
+  received = {n: v for p in range(2) for n, v in syncer.model.received_fragment(p).items()}
+  for link in links:
+    # Every learner holds R_p of the newest version, bit for bit: none applied a wrong delta.
+    np.testing.assert_array_equal(link.versions, versions, err_msg=f"learner {link.index}")
+    for name, value in received.items():
+      np.testing.assert_array_equal(link.anchors[name], value, err_msg=f"{link.index} {name}")

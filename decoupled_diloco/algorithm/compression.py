@@ -1,15 +1,27 @@
 """Host-side wire formats for outer gradients and fragment values (spec §5).
 
 Outer gradients may travel compressed: bf16 by default; int4 was reported nearly lossless, while
-2-bit and 1-bit collapse, so those are not offered. ``Encoded.payload`` is exactly what would
-travel; its byte count is what the bandwidth accounting charges. Shape and format are metadata every
-side already knows (the fragment layout is fixed), so they are not counted.
+the paper reports that 2-bit and 1-bit outer gradients make training collapse. int2 and int1 are
+offered anyway, to measure that here (the compression ladder, issue 13), and as formats of the
+delta broadcast (`runtime/global_model.py`), where the error of one delta is carried by the next.
+``Encoded.payload`` is exactly what would travel; its byte count is what the bandwidth accounting
+charges. Shape and format are metadata every side already knows (the fragment layout is fixed), so
+they are not counted.
 
-Integer formats use symmetric per-block absmax scaling: the flattened tensor is cut into blocks of
-``block_size`` consecutive values (the last block may be short), each block stores one float32 scale
-s = max|x| / q_max and the values q = round(x / s) in [-q_max, q_max]; decoding gives q · s, so each
-value is off by at most s / 2. A block of zeros has s = 0 and decodes to zeros exactly. Decoding
-always produces float32: accumulation is done in fp32.
+The integer formats cut the flattened tensor into blocks of ``block_size`` consecutive values (the
+last block may be short); each block stores one float32 scale s. Decoding always produces float32:
+accumulation is done in fp32.
+
+- int8, int4, int2: symmetric absmax scaling, s = max|x| / q_max and q = round(x / s) in
+  [-q_max, q_max] (q_max = 127, 7, 1); decoding gives q · s, so each value is off by at most s / 2.
+  int2 is therefore ternary, {-1, 0, +1} · max|x|: of its four 2-bit codes one is unused, but 0
+  stays exact (a zero block, a sparse tensor) and the largest value of each block decodes to
+  itself, as with int8 / int4. Packed four values per byte.
+- int1: the sign alone, x -> sign(x) · s with s = mean|x| over the block, the scale that keeps the
+  block's L1 mass (signSGD with a per-block magnitude). Every value is off by up to
+  max(|x| - s, s); 0 decodes to +s. Packed eight values per byte.
+
+A block of zeros has s = 0 and decodes to zeros exactly in every format.
 """
 
 from __future__ import annotations
@@ -21,11 +33,13 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "int2", "int1")
 
-# Largest magnitude of a quantised value. Symmetric ranges (no -128 / -8) keep 0 exact and the
-# rounding error the same on both sides.
-_QMAX = {"int8": 127, "int4": 7}
+# Largest magnitude of a quantised value of the absmax formats. Symmetric ranges (no -128 / -8 /
+# -2) keep 0 exact and the rounding error the same on both sides.
+_QMAX = {"int8": 127, "int4": 7, "int2": 1}
+# Values packed into one byte.
+_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4, "int1": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +50,7 @@ class Encoded:
     fmt: one of ``FORMATS``.
     shape: the original shape.
     payload: the arrays that travel: (values,) for fp32/bf16, (values, float32 scales) for
-      int8/int4. int4 values are packed two per uint8.
+      the integer formats. int4 / int2 / int1 values are packed 2 / 4 / 8 per uint8.
     block_size: values per scale block (int formats; metadata, like the shape).
   """
 
@@ -66,7 +80,8 @@ def _check(fmt: str, block_size: int) -> None:
 def encoded_nbytes(num_elements: int, fmt: str, block_size: int) -> int:
   """Bytes on the wire for ``num_elements`` values, computed without encoding anything.
 
-  fp32: 4n; bf16: 2n; int8: n + 4·⌈n/B⌉; int4: ⌈n/2⌉ + 4·⌈n/B⌉ (B = block_size, 4 bytes per scale).
+  fp32: 4n; bf16: 2n; int8: n + 4·⌈n/B⌉; int4: ⌈n/2⌉ + 4·⌈n/B⌉; int2: ⌈n/4⌉ + 4·⌈n/B⌉;
+  int1: ⌈n/8⌉ + 4·⌈n/B⌉ (B = block_size, 4 bytes per scale).
   """
   _check(fmt, block_size)
   if fmt == "fp32":
@@ -74,9 +89,7 @@ def encoded_nbytes(num_elements: int, fmt: str, block_size: int) -> int:
   if fmt == "bf16":
     return 2 * num_elements
   scales = 4 * math.ceil(num_elements / block_size)
-  if fmt == "int8":
-    return num_elements + scales
-  return math.ceil(num_elements / 2) + scales
+  return math.ceil(num_elements / _PER_BYTE[fmt]) + scales
 
 
 def _quantize(x_N: np.ndarray, qmax: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,9 +107,38 @@ def _quantize(x_N: np.ndarray, qmax: int, block_size: int) -> tuple[np.ndarray, 
   return q_BxK.reshape(-1)[:n].astype(np.int8), scale_B
 
 
+def _sign_quantize(x_N: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """int1: (bits_N, 1 where x >= 0, as uint8; scales_B = mean |x| of each block, float32)."""
+  n = x_N.size
+  num_blocks = math.ceil(n / block_size)
+  padded = np.zeros(num_blocks * block_size, np.float64)
+  padded[:n] = np.abs(x_N)
+  # The mean over the values a block really holds: the last one may be short.
+  counts_B = np.full(num_blocks, block_size, np.float64)
+  if num_blocks:
+    counts_B[-1] = n - (num_blocks - 1) * block_size
+  scale_B = (padded.reshape(num_blocks, block_size).sum(axis=1) / counts_B).astype(np.float32)
+  return (x_N >= 0).astype(np.uint8), scale_B
+
+
 def _dequantize(q_N: np.ndarray, scale_B: np.ndarray, block_size: int) -> np.ndarray:
   scale_N = np.repeat(scale_B, block_size)[: q_N.size]
   return q_N.astype(np.float32) * scale_N
+
+
+def _pack_int2(q_N: np.ndarray) -> np.ndarray:
+  """Four values in [-1, 1] per byte, stored with an offset of 1 as 2-bit codes (lowest bits
+  first); a count that is not a multiple of 4 is padded with 0 values."""
+  codes = (q_N.astype(np.int16) + 1).astype(np.uint8)
+  codes = np.append(codes, np.full(-codes.size % 4, 1, np.uint8))
+  return codes[0::4] | (codes[1::4] << 2) | (codes[2::4] << 4) | (codes[3::4] << 6)
+
+
+def _unpack_int2(packed: np.ndarray, n: int) -> np.ndarray:
+  codes = np.empty(4 * packed.size, np.uint8)
+  for k in range(4):
+    codes[k::4] = (packed >> (2 * k)) & 0x03
+  return (codes[:n].astype(np.int16) - 1).astype(np.int8)
 
 
 def _pack_int4(q_N: np.ndarray) -> np.ndarray:
@@ -129,9 +171,12 @@ def encode(x: np.ndarray, fmt: str, block_size: int) -> Encoded:
   if not np.all(np.isfinite(x_N)):
     # An inf would make its block's scale inf and every other value of the block 0 or NaN.
     raise ValueError(f"cannot encode non-finite values as {fmt}")
+  if fmt == "int1":
+    bits_N, scale_B = _sign_quantize(x_N, block_size)
+    return Encoded(fmt, shape, (np.packbits(bits_N, bitorder="little"), scale_B), block_size)
   q_N, scale_B = _quantize(x_N, _QMAX[fmt], block_size)
-  values = q_N if fmt == "int8" else _pack_int4(q_N)
-  return Encoded(fmt, shape, (values, scale_B), block_size)
+  pack = {"int8": lambda q: q, "int4": _pack_int4, "int2": _pack_int2}[fmt]
+  return Encoded(fmt, shape, (pack(q_N), scale_B), block_size)
 
 
 def decode(enc: Encoded) -> np.ndarray:
@@ -142,7 +187,13 @@ def decode(enc: Encoded) -> np.ndarray:
     x_N = np.asarray(enc.payload[0], np.float32)
   else:
     values, scale_B = enc.payload
-    q_N = values if enc.fmt == "int8" else _unpack_int4(values, n)
+    if enc.fmt == "int1":
+      bits_N = np.unpackbits(values, count=n, bitorder="little")
+      q_N = (2 * bits_N.astype(np.int8) - 1).astype(np.int8)  # 1 -> +1, 0 -> -1
+    elif enc.fmt == "int2":
+      q_N = _unpack_int2(values, n)
+    else:
+      q_N = values if enc.fmt == "int8" else _unpack_int4(values, n)
     x_N = _dequantize(q_N, scale_B, enc.block_size)
   return x_N.reshape(enc.shape)
 

@@ -382,7 +382,9 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
               f"fragment {p} version {version}: the merged Theta_p differs from the "
               f"recording's (its offers: learner, step = "
               f"{[(o.learner, o.step) for o in screening.accepted]})")
-        wire[(p, version)] = result.wire
+        # In full: a learner of the recording that applied this version held exactly this
+        # value, whether a delta broadcast or a keyframe brought it.
+        wire[(p, version)] = model.keyframe(result)
         # What the syncer names to each learner with this version: its last offer of p merged.
         for o in screening.accepted:
           merged_through[(o.learner, p)] = max(merged_through.get((o.learner, p), 0), o.step)

@@ -14,9 +14,20 @@ stacked on a leading axis sharded over the syncer devices, and the sums that RDA
 average need become one all-reduce. Programs are compiled per tensor shape, so their number does
 not grow with the model's depth. The math is `merge` and `outer`; this module only calls it.
 
+The delta broadcast (`config.compression.broadcast_delta` other than "none"): the syncer keeps, per
+fragment, R_p, the value every up-to-date learner holds as its anchor, and a merge broadcasts
+encode(Theta_p_new - R_p) with `base_version` = the version of R_p; then R_p += decode(delta). A
+learner anchored at that version adds the same decoded delta to the same R_p in float32, so it holds
+the new R_p bit for bit, and the quantisation error of one delta is carried by the next instead of
+piling up: |R_p - Theta_p| stays within one step of the format. A learner that does not hold the
+base version gets a keyframe (`keyframe`, R_p itself in the `broadcast` format, fp32) instead; so
+does everyone after the syncer restored its state (`require_keyframes`), since R_p is not
+checkpointed: a restored Theta_p is not what the learners hold.
+
 Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parameter per outer
 optimizer slot (1 for SGD with momentum, 2 for Adam, 0 for plain SGD), plus the optimizer's scalar
-leaves, plus, with anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
+leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with anchor="syncer"
+only, the kept versions, plus `robust.WINDOW` norms per fragment.
 Nothing grows with the number of steps. A merge in progress adds one tensor's stacked outer
 gradients (learners x tensor size, fp32); screening adds one tensor's outer gradient at a time.
 """
@@ -54,13 +65,16 @@ class MergeResult:
   fragment: int
   theta: dict[str, np.ndarray]
   opt_state: dict[str, Any]
-  wire: dict[str, compression_lib.Encoded]  # Theta_p in the broadcast format
+  # Theta_p in the broadcast format, or with the delta broadcast Theta_p - R_p in its format
+  wire: dict[str, compression_lib.Encoded]
   weights: np.ndarray  # per learner slot
   bytes_up: int  # encoded outer gradients, as they would travel
   started_at: float
   encode_s: float
   merge_s: float
   wire_s: float
+  base_version: int | None = None  # the version of R_p a delta `wire` adds to; None: full value
+  received: dict[str, np.ndarray] | None = None  # delta broadcast: R_p after this merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +105,15 @@ def outer_state_slots(tx: optax.GradientTransformation) -> int:
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) // size
 
 
-def steady_state_bytes(num_params: int, num_tensors: int, tx: optax.GradientTransformation) -> int:
-  """Bytes of Theta and the outer state, with one optimizer state per tensor (see the module
-  docstring): what the syncer holds between rounds with anchor="learner"."""
+def steady_state_bytes(num_params: int, num_tensors: int, tx: optax.GradientTransformation,
+                       delta_broadcast: bool = False) -> int:
+  """Bytes of Theta and the outer state, with one optimizer state per tensor, and R_p with the
+  delta broadcast (see the module docstring): what the syncer holds between rounds with
+  anchor="learner"."""
   scalars = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((1,), np.float32))
   scalar_bytes = sum(leaf.dtype.itemsize for leaf in jax.tree.leaves(scalars) if leaf.shape == ())
-  return _FLOAT_BYTES * num_params * (1 + outer_state_slots(tx)) + num_tensors * scalar_bytes
+  copies = 1 + outer_state_slots(tx) + int(delta_broadcast)
+  return _FLOAT_BYTES * num_params * copies + num_tensors * scalar_bytes
 
 
 def _nbytes(tree: Any) -> int:
@@ -123,6 +140,11 @@ class GlobalModel:
     self._theta = [{n: np.asarray(initial_params[n], np.float32) for n in f.names}
                    for f in self.fragments]
     self._versions = [0] * len(self.fragments)
+    # The delta broadcast: R_p per fragment (what the learners hold; the initial Theta_p at version
+    # 0, which every learner starts from), and whether its next broadcast must be a keyframe.
+    self._delta = compression.broadcast_delta != "none"
+    self._received = [dict(theta) for theta in self._theta] if self._delta else None
+    self._keyframe_due = [False] * len(self.fragments)
     self._keep_history = merge.anchor == "syncer"
     self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
     self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
@@ -196,17 +218,25 @@ class GlobalModel:
     return [sorted(h) for h in self._history]
 
   def held_bytes(self) -> int:
-    """Bytes of the arrays held now: Theta, the outer states, the kept versions."""
+    """Bytes of the arrays held now: Theta, R_p (delta broadcast; counted in full even while a
+    fragment never merged shares Theta_p's arrays), the outer states, the kept versions."""
     with self._lock:
       theta = sum(_nbytes(t) for t in self._theta)
-    return (theta + sum(_nbytes(h) for h in self._history)
+      received = _nbytes(self._received) if self._delta else 0
+    return (theta + received + sum(_nbytes(h) for h in self._history)
             + sum(_nbytes(s) for s in self._opt_states))
 
   def steady_state_bytes(self) -> int:
     """What `held_bytes()` must equal between rounds with anchor="learner"."""
     num_params = sum(v.size for theta in self._theta for v in theta.values())
     num_tensors = sum(len(theta) for theta in self._theta)
-    return steady_state_bytes(num_params, num_tensors, self._tx)
+    return steady_state_bytes(num_params, num_tensors, self._tx, self._delta)
+
+  def received_fragment(self, p: int) -> dict[str, np.ndarray]:
+    """What an up-to-date learner holds of fragment p: R_p with the delta broadcast, else Theta_p
+    (which it received through the broadcast format)."""
+    with self._lock:
+      return dict(self._received[p] if self._delta else self._theta[p])
 
   # ---- merging ---------------------------------------------------------------------------------
 
@@ -275,9 +305,39 @@ class GlobalModel:
       new_theta[name] = np.asarray(theta)
       encode_s, merge_s = encode_s + (t1 - t0), merge_s + (time.monotonic() - t1)
     t2 = time.monotonic()
-    wire = compression_lib.encode_tree(new_theta, wire_formats.broadcast, wire_formats.block_size)
+    wire, base_version, received = self._broadcast_of(p, new_theta)
     return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
-                       encode_s, merge_s, time.monotonic() - t2)
+                       encode_s, merge_s, time.monotonic() - t2, base_version, received)
+
+  def _broadcast_of(self, p: int, new_theta: Mapping[str, np.ndarray]
+                    ) -> tuple[dict[str, compression_lib.Encoded], int | None,
+                               dict[str, np.ndarray] | None]:
+    """(wire, base_version, the new R_p) of the next Theta_p: the full value in the broadcast
+    format, or with the delta broadcast encode(Theta_p_new - R_p) against R_p's version (a
+    keyframe, the full value, while `require_keyframes` holds for p)."""
+    formats = self._compression
+    if not self._delta or self._keyframe_due[p]:
+      wire = compression_lib.encode_tree(new_theta, formats.broadcast, formats.block_size)
+      return wire, None, compression_lib.decode_tree(wire) if self._delta else None
+    base = self._received[p]
+    wire = compression_lib.encode_tree({n: v - base[n] for n, v in new_theta.items()},
+                                       formats.broadcast_delta, formats.block_size)
+    # The learners' sum, in the same float32 arithmetic: R_p stays what they hold, bit for bit.
+    received = {n: base[n] + compression_lib.decode(enc) for n, enc in wire.items()}
+    return wire, self._versions[p], received
+
+  def keyframe(self, result: MergeResult) -> dict[str, compression_lib.Encoded]:
+    """A merge's new value in full, in the broadcast format: what a learner that does not hold the
+    base version of a delta is sent instead (and what a replay applies)."""
+    if result.base_version is None:
+      return result.wire
+    return compression_lib.encode_tree(result.received, self._compression.broadcast,
+                                       self._compression.block_size)
+
+  def require_keyframes(self) -> None:
+    """The next broadcast of every fragment is a keyframe (delta broadcast): after the syncer
+    restored a state, R_p may not be what the learners hold."""
+    self._keyframe_due = [True] * len(self.fragments)
 
   def unchanged(self, p: int) -> MergeResult:
     """A merge that keeps Theta_p and its outer state: in lock-step modes a round whose every offer
@@ -286,11 +346,10 @@ class GlobalModel:
     started_at = time.monotonic()
     with self._lock:
       theta = dict(self._theta[p])
-    wire = compression_lib.encode_tree(theta, self._compression.broadcast,
-                                       self._compression.block_size)
+    wire, base_version, received = self._broadcast_of(p, theta)
     return MergeResult(p, theta, dict(self._opt_states[p]), wire,
                        np.zeros(self._num_learners, np.float32), 0, started_at, 0.0, 0.0,
-                       time.monotonic() - started_at)
+                       time.monotonic() - started_at, base_version, received)
 
   def _kept(self, p: int, version: int, name: str) -> np.ndarray:
     try:
@@ -302,9 +361,11 @@ class GlobalModel:
       ) from None
 
   def wire(self, p: int) -> tuple[int, dict[str, compression.Encoded]]:
-    """(version, Theta_p in the broadcast format): what a learner joining now must receive."""
+    """(version, Theta_p in the broadcast format): what a learner joining now must receive. With
+    the delta broadcast, R_p instead (a keyframe): what the learners up to date hold."""
     with self._lock:
-      version, theta = self._versions[p], self._theta[p]
+      version = self._versions[p]
+      theta = self._received[p] if self._delta else self._theta[p]
     return version, compression_lib.encode_tree(theta, self._compression.broadcast,
                                                 self._compression.block_size)
 
@@ -361,8 +422,11 @@ class GlobalModel:
           self._opt_states[p][n] = jax.device_put(
               jax.tree.unflatten(treedef, [leaves[k] for k in sorted(leaves)]), self._replicated)
         self._versions[p] = int(values["versions"][p])
+        if self._delta:
+          self._received[p] = dict(theta)
         if self._keep_history:
           self._history[p] = {self._versions[p]: dict(theta)}
+    self.require_keyframes()  # R_p is not in the checkpoint
     for p, window in enumerate(values["norm_windows"]):
       self._norm_windows[p] = dataclasses.replace(
           self._norm_windows[p], norms=tuple(float(n) for n in window["norms"]),
@@ -376,6 +440,8 @@ class GlobalModel:
         return False
       self._theta[p] = {n: np.asarray(theta[n], np.float32) for n in self._theta[p]}
       self._versions[p] = int(version)
+      if self._delta:
+        self._received[p] = dict(self._theta[p])  # the learner's anchor: R_p at `version`
       if self._keep_history:
         self._history[p] = {version: dict(self._theta[p])}
     return True
@@ -391,10 +457,15 @@ class GlobalModel:
       self._theta[p] = result.theta
       self._versions[p] += 1
       version = self._versions[p]
+      if self._delta:
+        self._received[p] = result.received
+        self._keyframe_due[p] = False
     self._opt_states[p] = result.opt_state
     if self._keep_history:
       history = self._history[p]
-      history[version] = compression_lib.decode_tree(result.wire)  # what the learners received
+      # What the learners received.
+      history[version] = (result.received if self._delta
+                          else compression_lib.decode_tree(result.wire))
       oldest = min(anchored, default=version)
       for old in [v for v in history if v < oldest]:
         del history[old]

@@ -10,8 +10,10 @@ back tau steps after it started.
 
 The learner keeps, per fragment p, the counters c_steps / c_tokens of its steps not yet merged, the
 step `since` where those steps start, and the host copy of the Theta_p it last received (its anchor,
-spec §5). It also remembers every offer the syncer took, so that a broadcast, which names the offer
-it merged, tells it exactly which of its steps are now in Theta_p:
+spec §5); with the delta broadcast (`runtime/global_model.py`) a broadcast may carry only the change
+from the anchor of version `base_version`, which the learner adds to its anchor when it holds that
+version and ignores otherwise. It also remembers every offer the syncer took, so that a broadcast,
+which names the offer it merged, tells it exactly which of its steps are now in Theta_p:
 
 - overwrite (the paper, alpha = 0): theta_p <- Theta_p; the steps made since the merged offer are
   dropped (counted in `discarded_fragment_steps`);
@@ -236,6 +238,8 @@ class Learner:
     # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
     # taken by any merge): the compute the paper's overwrite discards.
     self.discarded_fragment_steps = 0
+    # Delta broadcasts against a version this learner did not hold, not applied (a keyframe follows).
+    self.ignored_deltas = 0
     self._data_state = self._data_position()  # the loader's position after step self.step
     self._trace = (profiling.StepTrace(*options.profile_steps, options.profile_dir)
                    if options.profile_steps else None)
@@ -582,6 +586,11 @@ class Learner:
     p = broadcast.fragment
     if broadcast.version <= self._anchor_versions[p]:
       return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
+    if broadcast.base_version is not None and broadcast.base_version != self._anchor_versions[p]:
+      # A delta against a value this learner does not hold (it missed a broadcast): it would
+      # reconstruct a wrong Theta_p. The syncer sends a keyframe once it sees this version held.
+      self.ignored_deltas += 1
+      return
     merged_step = broadcast.merged_offers.get(self.index)
     with self._lock:  # one section with the tape's event: ordered against the syncer's takes
       self._tape_event("apply", fragment=p, version=broadcast.version, step=self.step,
@@ -593,6 +602,9 @@ class Learner:
     anchors, updates = dict(self._anchors), {}
     for name, encoded in broadcast.values.items():
       theta_global = compression.decode(encoded)
+      if broadcast.base_version is not None:
+        # The anchor is R_p at the base version: the same float32 sum as the syncer's new R_p.
+        theta_global = self._anchors[name] + theta_global
       now = self._layout.get(params, name)
       if keep and taken is not None:
         # The merge took this learner's steps up to the offer: keep those after it. Progress is

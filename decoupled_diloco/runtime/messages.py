@@ -155,7 +155,13 @@ class Answer(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Broadcast:
-  """A merged Theta_p, version `version`, as it travels to every live learner."""
+  """A merged Theta_p, version `version`, as it travels to every live learner.
+
+  With the delta broadcast (config.compression.broadcast_delta) `values` may instead be the change
+  from the value of version `base_version` (R_p, `runtime/global_model.py`): only a learner whose
+  anchor is that version may apply it, as anchor + decode(values); any other ignores it and gets a
+  keyframe, a full value (`base_version` None), later.
+  """
 
   fragment: int
   version: int
@@ -163,6 +169,7 @@ class Broadcast:
   # learner -> step of its offer that this merge took in: the learner keeps (or, under the paper's
   # overwrite, drops) exactly the steps it made after that offer.
   merged_offers: dict[int, int] = dataclasses.field(default_factory=dict)
+  base_version: int | None = None  # None: `values` are Theta_p itself (a keyframe)
 
   @property
   def nbytes(self) -> int:

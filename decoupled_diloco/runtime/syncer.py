@@ -21,6 +21,15 @@ broadcasts lost on the way (a partition, `runtime/network.py`) are made good. Ev
 for each learner, the last offer of it that a merge of the fragment took, so a learner that lost the
 broadcast of that merge still counts those steps as merged, not discarded.
 
+Delta broadcast (config.compression.broadcast_delta, `GlobalModel`): a merge sends the change of
+Theta_p from R_p, the value the learners hold, to each learner whose last report says it holds R_p's
+version, and a keyframe (R_p in full) to every other one: one whose broadcast was lost, one that
+rejoined or was taken back since (those got keyframes then, too), or one whose report has not
+caught up (a finished learner no longer reports: it gets keyframes). A report never names a version
+newer than the learner holds, and every way a learner comes to hold a version gives it R_p of that
+version bit for bit, so no learner ever reconstructs a wrong Theta_p; a restarted syncer, which did
+not keep R_p, sends keyframes only, until each fragment's next merge.
+
 No step is merged twice: the syncer records, per learner and fragment, the last learner step a merge
 took in (`merged_through`) and takes a later offer only if its steps start at or after it. After
 training, `flush()` runs one final round per fragment that waits for every live learner's answer, so
@@ -32,7 +41,8 @@ it merges once every live learner has offered or has nothing, and, unless
 rejoin answers the open rounds with nothing: its state since the last barrier is lost).
 
 The global model itself (Theta_p, versions, outer states, the merge programs) is `GlobalModel`;
-this module only runs the rounds around it. Memory: what `GlobalModel` holds, plus the host copies
+this module only runs the rounds around it. Memory: what `GlobalModel` holds (with the delta
+broadcast that includes R_p, one more copy of the parameters), plus the host copies
 of the offers in open rounds (at most one per live learner per open round). Nothing grows with the
 number of steps.
 """
@@ -177,6 +187,9 @@ class SyncerStats:
   absences: int = 0  # a learner found silent for longer than its heartbeat timeout
   returns: int = 0  # an absent learner reported again and was taken back
   catch_up_fragments: int = 0  # Theta_p sent to a learner taken back, newer than it held
+  # Delta broadcast: full values of R_p sent to a learner in place of a delta it could not apply
+  # (its last report named another version than the delta's base).
+  keyframes: int = 0
 
 
 class Syncer:
@@ -336,6 +349,9 @@ class Syncer:
           p, int(newest.anchor_versions[p]), {n: newest.anchors[n] for n in fragment.names}):
         from_learners.append(p)
     self._min_anchor = np.asarray(self.model.versions, np.int64)
+    # Delta broadcast: R_p was not checkpointed, and the learners' anchors may differ from the
+    # Theta_p just restored; each fragment's next merge sends its full value.
+    self.model.require_keyframes()
     self._lead = None  # the clock goes on from the learners' next reports, without a burst
     return {"checkpoint_versions": restored_versions, "versions": list(self.model.versions),
             "fragments_from_learners": from_learners}
@@ -559,6 +575,12 @@ class Syncer:
       # A learner that finished while no syncer listened (its TrainingDone was lost) is not
       # training; one that finishes from now on says so after this.
       self._training.add(m)
+
+  def _held_version(self, m: int, p: int) -> int:
+    """The version of Theta_p learner m's last report (or its attach) says it holds; 0 before.
+    Never newer than what it holds: it applies broadcasts before it reports."""
+    held = self._reported_anchors.get(m)
+    return 0 if held is None else int(held[p])
 
   def _naming_last_merged(self, m: int, broadcast: messages.Broadcast) -> messages.Broadcast:
     """`broadcast` as sent to learner m: it also names the last offer of m that a merge of the
@@ -907,10 +929,20 @@ class Syncer:
     for offer in current:
       key = (offer.learner, p)
       self._merged_through[key] = max(self._merged_through.get(key, 0), offer.step)
-    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current})
+    broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current},
+                                   base_version=result.base_version)
+    keyframe, bytes_down = None, 0
     deliver_at = time.monotonic()
     for m in live:
-      self._learners[m].deliver(self._naming_last_merged(m, broadcast))
+      sent = broadcast
+      if broadcast.base_version is not None and self._held_version(m, p) != broadcast.base_version:
+        if keyframe is None:
+          keyframe = dataclasses.replace(broadcast, values=self.model.keyframe(result),
+                                         base_version=None)
+        sent = keyframe
+        self.stats.keyframes += 1
+      self._learners[m].deliver(self._naming_last_merged(m, sent))
+      bytes_down += sent.nbytes
     now = time.monotonic()
     self._merging.discard(p)
     sync_s = now - done.closed_at
@@ -921,7 +953,7 @@ class Syncer:
     stats.merges += 1
     stats.final_merges += int(round_.final)
     stats.bytes_up += result.bytes_up
-    stats.bytes_down += broadcast.nbytes * len(live)
+    stats.bytes_down += bytes_down
     stats.bytes_allreduce += 2 * (shards - 1) * terms * _FLOAT_BYTES
     stats.peak_held_bytes = max(stats.peak_held_bytes,
                                 self.held_bytes() + sum(o.nbytes for o in done.offers))
@@ -945,7 +977,7 @@ class Syncer:
         "encode_s": round(result.encode_s, 5), "merge_s": round(result.merge_s, 5),
         "broadcast_s": round(result.wire_s + (now - deliver_at), 5),
         "sync_s": round(sync_s, 5), "bytes_up": result.bytes_up,
-        "bytes_down": broadcast.nbytes * len(live),
+        "bytes_down": bytes_down,
     }
     self.tape.append(decision)
     if self._metrics is not None:

@@ -6,8 +6,10 @@ Notation: N parameters, t = inner step time (s), D datacenters, P fragments, H s
 Wire formats (the same byte counts as the runtime's `compression.encoded_nbytes`):
     fp32: 4 bytes, bf16: 2 bytes a value;
     int8: 1 byte a value + one fp32 scale per block of B values: n + 4·⌈n/B⌉ bytes;
-    int4: two values packed per byte + one fp32 scale per block: ⌈n/2⌉ + 4·⌈n/B⌉ bytes.
-So b = 32, 16, 8 + 32/B and 4 + 32/B bits a value (8.5 and 4.5 at B = 64).
+    int4: two values packed per byte + one fp32 scale per block: ⌈n/2⌉ + 4·⌈n/B⌉ bytes;
+    int2, int1: four, eight values per byte + the scales: ⌈n/4⌉, ⌈n/8⌉ + 4·⌈n/B⌉ bytes.
+So b = 32, 16, 8 + 32/B, 4 + 32/B, 2 + 32/B and 1 + 32/B bits a value (8.5, 4.5, 2.5, 1.5 at
+B = 64).
 
 DP: every step all-reduces the gradients. Hierarchically (reduce inside each datacenter over its fast
 network, then one ring across the D datacenters) each datacenter sends, and receives,
@@ -31,8 +33,9 @@ Reduction factor (same t, per datacenter link, P·τ ≥ H):
 
 import math
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
-SCALE_BYTES = 4  # one float32 scale per block of int8 / int4 values
+FORMATS = ("fp32", "bf16", "int8", "int4", "int2", "int1")
+SCALE_BYTES = 4  # one float32 scale per block of integer values
+_BITS = {"int8": 8, "int4": 4, "int2": 2, "int1": 1}
 DEFAULT_BLOCK_SIZE = 64
 
 
@@ -53,16 +56,15 @@ def encoded_bytes(num_values: int, fmt: str, block_size: int = DEFAULT_BLOCK_SIZ
   if fmt == "bf16":
     return 2 * num_values
   scales = SCALE_BYTES * math.ceil(num_values / block_size)
-  if fmt == "int8":
-    return num_values + scales
-  return math.ceil(num_values / 2) + scales
+  return math.ceil(num_values * _BITS[fmt] / 8) + scales
 
 
 def bits_per_value(fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
-  """Asymptotic wire bits a value: 32, 16, 8 + 32/B, 4 + 32/B."""
+  """Asymptotic wire bits a value: 32, 16, then 8, 4, 2, 1 + 32/B for the integer formats."""
   _check_format(fmt, block_size)
-  return {"fp32": 32.0, "bf16": 16.0, "int8": 8.0 + 32.0 / block_size,
-          "int4": 4.0 + 32.0 / block_size}[fmt]
+  if fmt in _BITS:
+    return _BITS[fmt] + 32.0 / block_size
+  return {"fp32": 32.0, "bf16": 16.0}[fmt]
 
 
 def _fragment_sizes(num_params: int, num_fragments: int) -> list:
