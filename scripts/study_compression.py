@@ -5,7 +5,8 @@ per-block absmax scales, see algorithm/compression.py), every arm with Theta_p b
 Paper: int4 nearly lossless (text 55.3 vs 55.4), 2-bit and 1-bit collapse.
 Downlink: Theta_p sent as a compressed delta against the version the learner holds
 (`compression.broadcast_delta`; the syncer keeps what the learners reconstruct, so the
-quantisation error does not pile up), with int4 outer gradients.
+quantisation error does not pile up; whole values, "keyframes", go in fp32 to a learner not known
+to hold the delta's base), with int4 outer gradients.
 
 Bytes are what the runtime counted on the wire per learner step (up + down, merges during
 training; the final flush is left out), against one worker of a bf16-gradient data-parallel ring
@@ -40,9 +41,10 @@ PAPER = {"bf16 / bf16": "55.4", "int4 / bf16": "55.3 (nearly lossless)",
 def arms() -> list[sc.Arm]:
   out = [sc.Arm(f"{fmt} / bf16", {"compression.outer_grad": fmt, "compression.broadcast": "bf16"})
          for fmt in ("fp32", "bf16", "int8", "int4", "int2", "int1")]
+  # Deltas need exact keyframes: compression.broadcast fp32 (only whole values travel in it).
   for delta in ("int8", "int4"):
     out.append(sc.Arm(f"int4 / delta {delta}", {
-        "compression.outer_grad": "int4", "compression.broadcast": "bf16",
+        "compression.outer_grad": "int4", "compression.broadcast": "fp32",
         "compression.broadcast_delta": delta}))
   return out
 
