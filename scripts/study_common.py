@@ -168,6 +168,14 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]], keys: Sequence[str]
           for arm, by_seed in results.items()}
 
 
+def paired(results: dict[str, dict[int, dict[str, Any]]], arm: str, reference: str,
+           key: str = "final_eval_loss") -> str:
+  """`arm` minus `reference`, seed by seed ('+0.0198 / +0.0328'): where the seed spread is larger
+  than the gap between arms, whether the gap keeps its sign on every seed tells more."""
+  seeds = sorted(set(results[arm]) & set(results[reference]))
+  return " / ".join(f"{results[arm][s][key] - results[reference][s][key]:+.4f}" for s in seeds)
+
+
 def fmt(stat: Mapping[str, float], digits: int = 4) -> str:
   """'mean (min-max)' of a `spread`, or the one value of a single seed."""
   if stat["n"] == 1:

@@ -78,10 +78,12 @@ def main(argv):
     rows.append([m, f"{ratio:.2f}", " / ".join(f"{b / 1e3:.0f}" for b in sizes),
                  f"{s['peak_bytes_per_step']['mean'] / 1e6:.2f}",
                  f"{s['mean_bytes_per_step_with_a_merge']['mean'] / 1e6:.2f}",
-                 sc.fmt(s["final_eval_loss"]), f"{s['final_eval_loss']['spread']:.4f}"])
+                 sc.fmt(s["final_eval_loss"]), sc.paired(results, m, "balanced"),
+                 f"{s['final_eval_loss']['spread']:.4f}"])
   table = sc.markdown_table(
       ["fragmentation", "peak / ideal", "fragments (kB)", "peak MB in one step",
-       "mean MB in a step with a merge", "final eval loss (min-max)", "seed spread"], rows)
+       "mean MB in a step with a merge", "final eval loss (min-max)", "minus balanced, per seed",
+       "seed spread"], rows)
   print(table)
   markdown = (f"# Study: fragmentation\n\n`python scripts/study_fragmentation.py "
               f"--num_steps={_NUM_STEPS.value} --seeds={','.join(map(str, seeds))}`: tiny_cpu "

@@ -59,11 +59,11 @@ def main(argv):
   for arm in results:
     loss = stats[arm]["final_eval_loss"]
     tokens = {r["tokens"] for r in results[arm].values()}
-    rows.append([arm, sc.fmt(loss), f"{loss['mean'] / dp - 1:+.2%}", f"{loss['spread']:.4f}",
-                 f"{tokens.pop():,}", str(PAPER.get(arm, "-"))])
+    rows.append([arm, sc.fmt(loss), f"{loss['mean'] / dp - 1:+.2%}", sc.paired(results, arm, "dp"),
+                 f"{loss['spread']:.4f}", f"{tokens.pop():,}", str(PAPER.get(arm, "-"))])
   table = sc.markdown_table(
-      ["arm", "final eval loss, nats/byte (min-max)", "vs dp", "seed spread", "tokens",
-       "paper text avg (higher better)"], rows)
+      ["arm", "final eval loss, nats/byte (min-max)", "vs dp", "minus dp, per seed", "seed spread",
+       "tokens", "paper text avg (higher better)"], rows)
   print(table)
   markdown = (f"# Study: number of learners at equal total tokens\n\n"
               f"`python scripts/study_learners.py --num_steps={_NUM_STEPS.value} "

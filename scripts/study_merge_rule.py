@@ -55,16 +55,18 @@ def main(argv):
   rule_stats, weight_stats = sc.summarize(rules, keys), sc.summarize(weights, keys)
   rda = rule_stats["rda"]["final_eval_loss"]["mean"]
   rule_table = sc.markdown_table(
-      ["rule (M = 8)", "final eval loss (min-max)", "vs rda", "seed spread",
+      ["rule (M = 8)", "final eval loss (min-max)", "vs rda", "minus rda, per seed", "seed spread",
        "paper text avg (higher better)"],
       [[r, sc.fmt(s["final_eval_loss"]), f"{s['final_eval_loss']['mean'] / rda - 1:+.2%}",
-        f"{s['final_eval_loss']['spread']:.4f}", str(PAPER[r])] for r, s in rule_stats.items()])
+        sc.paired(rules, r, "rda"), f"{s['final_eval_loss']['spread']:.4f}", str(PAPER[r])]
+       for r, s in rule_stats.items()])
   default = weight_stats["tokens_sq_over_steps"]["final_eval_loss"]["mean"]
   weight_table = sc.markdown_table(
       ["weighting (batches 8/8/16/32)", "final eval loss (min-max)", "vs tokens^2/steps",
-       "seed spread"],
+       "minus tokens^2/steps, per seed", "seed spread"],
       [[w, sc.fmt(s["final_eval_loss"]), f"{s['final_eval_loss']['mean'] / default - 1:+.2%}",
-        f"{s['final_eval_loss']['spread']:.4f}"] for w, s in weight_stats.items()])
+        sc.paired(weights, w, "tokens_sq_over_steps"), f"{s['final_eval_loss']['spread']:.4f}"]
+       for w, s in weight_stats.items()])
   print(rule_table)
   print(weight_table)
   markdown = (f"# Study: merge rule and merge weights\n\n`python scripts/study_merge_rule.py "
