@@ -82,7 +82,8 @@ def _down_intervals(summary: dict) -> list[tuple[float, float, int]]:
   until its first step again."""
   intervals = []
   for failure in summary["failures"]:
-    end = failure.get("repaired_at_s", float("inf")) + failure.get("repair_to_first_step_s", 0.0)
+    to_first_step = failure.get("repair_to_first_step_s") or 0.0  # None: rejoined at its end
+    end = failure.get("repaired_at_s", float("inf")) + to_first_step
     intervals.append((failure["failed_at_s"], end, failure["learner"]))
   return intervals
 

@@ -5,6 +5,7 @@ import collections
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -30,9 +31,14 @@ def local_ray():
   ray.shutdown()
 
 
+_CACHE = tempfile.mkdtemp(prefix="dd_ray_jax_cache_")
+
+
 def _settings(tmp_path, **overrides):
+  # The learner and syncer processes share one compilation cache: a process Ray restarts loads
+  # its programs instead of compiling them again, as a real run's restarts do.
   fields = dict(runtime="ray", num_learners=2, num_steps=32, checkpoint__every_steps=0,
-                learner_mesh_shapes=((1, 1),))
+                learner_mesh_shapes=((1, 1),), compilation_cache_dir=_CACHE)
   fields.update(overrides)
   return tiny_settings(tmp_path, **fields)
 
@@ -58,7 +64,7 @@ def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_o
   the syncer is back, its process too. Ray restarts each process, each learner rejoins from the
   other's state, the syncer is restored both times, and every step is made."""
   run = train.build(_settings(
-      tmp_path, num_steps=80, max_restarts=2, learner_step_delays_s=(0.25, 0.25),
+      tmp_path, num_steps=80, max_restarts=2, learner_step_delays_s=(0.4, 0.4),
       checkpoint__every_steps=16,  # cuts are asked for while processes are down
       chaos__schedule="crash@learner=0,step=8,down_s=1;syncer_crash@second=5,down_s=1"))
   first_pids = [l.pid for l in run.learners]

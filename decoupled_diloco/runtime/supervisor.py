@@ -120,6 +120,13 @@ class Supervisor:
       self._thread.join()
     if self.error is None:
       self.poll()
+    with self._lock:
+      # A learner that rejoined at its last step (its peer's step was num_steps) never makes a
+      # first step: its record still goes to the metrics and the tape, without that time.
+      for m in sorted(self._waiting_first_step):
+        record, _ = self._waiting_first_step.pop(m)
+        record["repair_to_first_step_s"] = None
+        self._write(record)
 
   def _run(self) -> None:
     try:
