@@ -197,6 +197,36 @@ def write(name: str, report: dict[str, Any], markdown: str, out_dir: pathlib.Pat
   return stem
 
 
+def study_flags(num_steps: int = 200, seeds_help: str = "Seeds of every arm."):
+  """The flags every study takes: --num_steps (None: the study has none), --seeds, --fresh."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  steps = None if num_steps is None else flags.DEFINE_integer(
+      "num_steps", num_steps, "Inner steps of every learner, every arm.")
+  seeds = flags.DEFINE_list("seeds", ["0", "1"], seeds_help)
+  fresh = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+  return steps, seeds, fresh
+
+
+def pyplot():
+  """matplotlib.pyplot, drawing to files only."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def save_figure(fig, stem: pathlib.Path) -> None:
+  fig.tight_layout()
+  fig.savefig(f"{stem}.png", dpi=100)
+  print(f"wrote {stem}.png")
+
+
+def yerr(stats: Sequence[Mapping[str, float]]) -> list[list[float]]:
+  """Error bars from the mean down to the min and up to the max of `spread`s (matplotlib's
+  `yerr`)."""
+  return [[s["mean"] - s["min"] for s in stats], [s["max"] - s["mean"] for s in stats]]
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

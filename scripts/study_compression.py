@@ -23,14 +23,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 from decoupled_diloco.sim import bandwidth  # pylint: disable=g-import-not-at-top
 
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 200, "Inner steps of every learner, every arm.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of every arm.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 
 M = 4
 REFERENCE = "bf16 / bf16"
@@ -93,22 +90,18 @@ def main(argv):
 
 
 def _plot(stem, stats, dp_bf16):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for i, (arm, s) in enumerate(stats.items()):
     loss = s["final_eval_loss"]
     ax.errorbar(dp_bf16 / s["bytes_per_step"]["mean"], loss["mean"],
-                yerr=[[loss["mean"] - loss["min"]], [loss["max"] - loss["mean"]]], fmt="o",
+                yerr=sc.yerr([loss]), fmt="o",
                 capsize=3, color=f"C{i}", label=arm)
   ax.axvline(90, color="gray", ls=":", lw=0.8)
   ax.set(xscale="log", xlabel="x fewer bytes per step than a bf16-gradient DP worker",
          ylabel="final eval loss (nats/byte)", title="compression ladder")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 200, "Inner steps of every learner, every arm.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of every arm.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 
 METHODS = ("balanced", "round_robin", "layer_strided")
 NUM_FRAGMENTS = 4
@@ -96,26 +93,19 @@ def main(argv):
 
 
 def _plot(stem, stats, splits):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   fig, (sizes, loss) = plt.subplots(1, 2, figsize=(9, 3.5))
   for i, m in enumerate(METHODS):
     sizes.bar([i + 0.2 * k - 0.3 for k in range(NUM_FRAGMENTS)],
               [b / 1e3 for b in splits[m][1]], width=0.18, color=f"C{i}")
   sizes.set(xticks=range(len(METHODS)), xticklabels=METHODS, ylabel="fragment size (kB)",
             title="fragment sizes (one bar each)")
-  means = [stats[m]["final_eval_loss"]["mean"] for m in METHODS]
-  lows = [stats[m]["final_eval_loss"]["min"] for m in METHODS]
-  highs = [stats[m]["final_eval_loss"]["max"] for m in METHODS]
-  loss.errorbar(range(len(METHODS)), means,
-                yerr=[[a - b for a, b in zip(means, lows)], [b - a for a, b in zip(means, highs)]],
+  losses = [stats[m]["final_eval_loss"] for m in METHODS]
+  loss.errorbar(range(len(METHODS)), [s["mean"] for s in losses], yerr=sc.yerr(losses),
                 fmt="o", capsize=3)
   loss.set(xticks=range(len(METHODS)), xticklabels=METHODS, ylabel="final eval loss (nats/byte)",
            title="global model, seeds min-max")
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,7 @@ from absl import flags
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 200, "Inner steps of every learner, every arm.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of every arm.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 # Seconds of one learner step with 8 learners sharing this 2-core machine, measured from the
 # learners' steps/s in study_learners' M = 8 runs (1.73 steps/s, 2026-11-25).
 _STEP_S = flags.DEFINE_float("step_s", 0.58, "A learner step's seconds without delay or noise.")
@@ -107,18 +105,13 @@ def main(argv):
 
 
 def _plot(stem, stats):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   names = list(stats)
   fig, (ours, paper) = plt.subplots(1, 2, figsize=(10, 3.8))
   for arm in names:
     s = stats[arm]
     ours.errorbar(s["goodput"]["mean"], s["final_eval_loss"]["mean"],
-                  xerr=[[s["goodput"]["mean"] - s["goodput"]["min"]],
-                        [s["goodput"]["max"] - s["goodput"]["mean"]]],
-                  yerr=[[s["final_eval_loss"]["mean"] - s["final_eval_loss"]["min"]],
-                        [s["final_eval_loss"]["max"] - s["final_eval_loss"]["mean"]]],
+                  xerr=sc.yerr([s["goodput"]]), yerr=sc.yerr([s["final_eval_loss"]]),
                   fmt="o", capsize=3, label=arm)
     paper.scatter(PAPER[arm][0], PAPER[arm][1], label=arm)
   ours.set(xlabel="goodput", ylabel="final eval loss (nats/byte, lower better)",
@@ -126,9 +119,7 @@ def _plot(stem, stats):
   paper.set(xlabel="goodput", ylabel="text average (higher better)", title="paper")
   ours.legend()
   paper.legend()
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,10 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 200, "Inner steps of every learner, every arm.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of every arm.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 
 GLOBAL_BATCH = 64  # sequences per step over all learners (tiny_cpu: 4 learners x 16)
 DEVICES = 8
@@ -77,15 +74,13 @@ def main(argv):
 
 
 def _plot(stem, stats):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   fig, (ours, paper) = plt.subplots(1, 2, figsize=(9, 3.5))
   names = [a for a in stats if a != "dp"]
   ms = [int(a.split("=")[1]) for a in names]
   loss = [stats[a]["final_eval_loss"] for a in names]
   ours.errorbar(ms, [s["mean"] for s in loss],
-                yerr=[[s["mean"] - s["min"] for s in loss], [s["max"] - s["mean"] for s in loss]],
+                yerr=sc.yerr(loss),
                 marker="o", capsize=3, label="decoupled")
   ours.axhline(stats["dp"]["final_eval_loss"]["mean"], color="gray", ls="--", label="dp")
   ours.set(xscale="log", xlabel="learners M",
@@ -97,9 +92,7 @@ def _plot(stem, stats):
   for ax in (ours, paper):
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.minorticks_off()
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,10 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 200, "Inner steps of every learner, every arm.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of every arm.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 
 PAPER = {"rda": 55.4, "average": 54.1}
 BATCH_SIZES = (8, 8, 16, 32)
@@ -82,22 +79,18 @@ def main(argv):
 
 
 def _plot(stem, rule_stats, weight_stats):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
   for ax, stats, title in ((axes[0], rule_stats, "rule, M = 8"),
                            (axes[1], weight_stats, "weights, batches 8/8/16/32")):
     names = list(stats)
     s = [stats[n]["final_eval_loss"] for n in names]
     ax.errorbar(range(len(names)), [x["mean"] for x in s],
-                yerr=[[x["mean"] - x["min"] for x in s], [x["max"] - x["mean"] for x in s]],
+                yerr=sc.yerr(s),
                 fmt="o", capsize=3)
     ax.set(xticks=range(len(names)), xticklabels=names, ylabel="final eval loss (nats/byte)",
            title=title)
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ import study_common as sc  # pylint: disable=g-import-not-at-top
 _STAGE = flags.DEFINE_enum("stage", "all", ["tune", "confirm", "all"], "What to run.")
 _TUNE_STEPS = flags.DEFINE_integer("tune_steps", 200, "Steps of every tuning run.")
 _CONFIRM_STEPS = flags.DEFINE_integer("confirm_steps", 800, "Steps of every confirming run.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of the confirming runs.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_, _SEEDS, _FRESH = sc.study_flags(num_steps=None, seeds_help="Seeds of the confirming runs.")
 
 VALIDATION = {"data.validation_fraction": 0.05, "eval_every": 0, "eval_batches": 16}
 LRS = (2e-3, 3e-3, 5e-3, 8e-3)  # dp's inner learning rate (tiny_cpu: 3e-3)
@@ -118,9 +117,9 @@ def main(argv):
     rows = []
     for arm in runs:
       dp = stats["dp, tuned" if "tuned" in arm else "dp, defaults"]["final_eval_loss"]["mean"]
-      s = stats[arm]
-      rows.append([arm, sc.fmt(s["final_eval_loss"]), f"{s['final_eval_loss']['mean'] / dp - 1:+.2%}",
-                   sc.fmt(s["validation_loss"]), f"{s['final_eval_loss']['spread']:.4f}"])
+      loss = stats[arm]["final_eval_loss"]
+      rows.append([arm, sc.fmt(loss), f"{loss['mean'] / dp - 1:+.2%}",
+                   sc.fmt(stats[arm]["validation_loss"]), f"{loss['spread']:.4f}"])
     confirm_table = sc.markdown_table(
         ["arm", "final eval loss (min-max)", "vs dp alike", "validation loss", "seed spread"],
         rows)
@@ -132,17 +131,13 @@ def main(argv):
 
 
 def _plot(stem, tried):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   fig, ax = plt.subplots(figsize=(9, 4))
   for i, t in enumerate(tried):
     ax.scatter(i, t["validation_loss"], color="C0" if t["mode"] == "dp" else "C1")
   ax.set(xticks=range(len(tried)), xlabel="configuration tried (in order; dp blue, decoupled "
          "orange)", ylabel="validation loss (nats/byte)", title="tuning on validation")
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ from absl import flags
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 200, "Inner steps of every learner, every arm.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds of every arm.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+_NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 20, "Steps between evaluations.")
 
 MODES = ("decoupled", "diloco", "dp")
@@ -116,9 +114,7 @@ def main(argv):
 
 
 def _plot(stem, runs, calib, target, seed):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = sc.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, m in enumerate(MODES):
     for label, curve, style in ((f"{m}, 2x straggler", runs[m][seed]["curve"], "-"),
@@ -128,9 +124,7 @@ def _plot(stem, runs, calib, target, seed):
   ax.set(xlabel="seconds since training started", ylabel="eval loss (nats/byte)",
          title=f"seed {seed}")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(f"{stem}.png", dpi=100)
-  print(f"wrote {stem}.png")
+  sc.save_figure(fig, stem)
 
 
 if __name__ == "__main__":
