@@ -338,7 +338,10 @@ def test_a_validation_split_is_evaluated_beside_the_eval_split(tmp_path):
   steps = [e["step"] for e in summary["eval_history"]]
   assert len(steps) == 2 and 12 <= steps[0] < 24 and steps[1] == 24, steps
   for e in summary["eval_history"]:
-    assert 0 < e["validation_loss"] < 6 and e["validation_loss"] != e["eval_loss"]
+    # Another split of the same kind of text: the same model's loss on it differs a little (an
+    # early model's can be above the uniform byte loss, ln 256 = 5.55, on both).
+    assert np.isfinite(e["validation_loss"]) and e["validation_loss"] != e["eval_loss"]
+    assert abs(e["validation_loss"] / e["eval_loss"] - 1) < 0.25, e
   assert summary["final_validation_loss"] == summary["eval_history"][-1]["validation_loss"]
 
 
