@@ -48,3 +48,23 @@ def test_programs_compiled_after_the_run_sets_its_cache_are_written_there(tmp_pa
 def test_none_leaves_the_process_cache_alone(session_cache):
   train._use_compilation_cache(None)  # pylint: disable=protected-access
   assert jax.config.jax_compilation_cache_dir == session_cache
+
+
+def test_a_run_built_again_in_the_same_process_reuses_its_compiled_steps(tmp_path):
+  """train.learner_parts keeps the jitted steps it made: the same model, optimizer, number of
+  steps and meshes take the same step and compile nothing; another number of steps (the learning
+  rate schedule is part of the program) gets its own."""
+  first = train.build(tiny_settings(tmp_path / "a", num_learners=2,
+                                    learner_mesh_shapes=((2, 1), (2, 1))))
+  steps = [l._train_step for l in first.learners]  # pylint: disable=protected-access
+  sizes = [s._cache_size() for s in steps]  # pylint: disable=protected-access
+  again = train.build(tiny_settings(tmp_path / "b", num_learners=2,
+                                    learner_mesh_shapes=((2, 1), (2, 1))))
+  assert [l._train_step for l in again.learners] == steps  # pylint: disable=protected-access
+  assert [s._cache_size() for s in steps] == sizes  # pylint: disable=protected-access
+  other = train.build(tiny_settings(tmp_path / "c", num_learners=2, num_steps=25,
+                                    learner_mesh_shapes=((2, 1), (2, 1))))
+  others = [l._train_step for l in other.learners]  # pylint: disable=protected-access
+  assert all(o is not s for o, s in zip(others, steps))
+  for run in (first, again, other):
+    train.execute(run, progress=False)  # closes its files

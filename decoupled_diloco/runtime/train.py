@@ -11,6 +11,7 @@ config: no field can skip validation, and a misspelt field cannot silently read 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -197,25 +198,30 @@ def build(settings: settings_lib.RunSettings, *,
     step_hook = _chain_hooks(step_hook, injector.step_hook)
   # Learner <-> syncer links go through it: a partition fault cuts them (runtime/network.py).
   network = injector.network if injector is not None else None
-  built, graphdef, initial = [], None, None
   compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
                      "syncer_compile_s": 0.0}
-  for index, mesh in enumerate(learner_meshes):
-    if in_processes:  # the initial parameters only, for the syncer's Theta: no learner here
-      graphdef, params = model_lib.init_params(model_cfg, mesh, settings.seed)
-      initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
-      break
-    if initial is None:
-      started = time.perf_counter()
-      graphdef, params = model_lib.init_params(model_cfg, mesh, settings.seed)
-      initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
-      compile_seconds["init_compile_s"] = time.perf_counter() - started
-    train_step, state, shardings, batches, seconds = learner_parts(
-        settings, index, mesh, graphdef, initial, tx, dataset)
-    compile_seconds["train_compile_s"] += seconds
-    if injector is not None:
-      train_step = injector.wrap_train_step(index, train_step)  # nan faults corrupt its output
-    built.append((train_step, state, shardings, batches))
+  # The initial parameters, made once: every learner is placed from them, and the syncer's Theta
+  # starts at them (with learner processes, the only model this process makes).
+  started = time.perf_counter()
+  graphdef, params = model_lib.init_params(model_cfg, learner_meshes[0], settings.seed)
+  initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+  compile_seconds["init_compile_s"] = time.perf_counter() - started
+  built = []
+  if not in_processes:
+    # Each learner's step compiles for its own mesh; the compiles run side by side (XLA releases
+    # the GIL while it compiles), so start-up does not grow with the number of learners.
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(learner_meshes),
+                                               thread_name_prefix="compile") as pool:
+      parts = list(pool.map(
+          lambda index: learner_parts(settings, index, learner_meshes[index], graphdef, initial,
+                                      tx, dataset),
+          range(len(learner_meshes))))
+    compile_seconds["train_compile_s"] = time.perf_counter() - started
+    for index, (train_step, state, shardings, batches, _) in enumerate(parts):
+      if injector is not None:
+        train_step = injector.wrap_train_step(index, train_step)  # nan faults corrupt its output
+      built.append((train_step, state, shardings, batches))
   syncer, port = None, None
 
   secret = secrets.token_bytes(32)  # runtime=ray: this job's MAC key (runtime/ray_runtime.py)
@@ -375,6 +381,16 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
   return made
 
 
+# The learners' jitted train steps of this process, by everything their program depends on: a run
+# built again in the same process with the same model, optimizer, number of steps and mesh (a
+# resumed or restarted job, a benchmark's arms, the tests) takes the step with its compiled
+# program instead of tracing it and loading it from the compilation cache again. Bounded: each
+# holds its executables.
+_TRAIN_STEPS: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+_TRAIN_STEPS_LOCK = threading.Lock()
+_MAX_TRAIN_STEPS = 16
+
+
 def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef, initial, tx,
                   dataset: data_lib.Dataset):
   """Learner `index`'s compiled step, initial state on `mesh`, parameter shardings and batches,
@@ -385,9 +401,19 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
   # mesh): placed from the host instead of compiling the initialiser once per mesh.
   params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
   state = inner.init_train_state(params, tx, mesh, shardings)
-  train_step = inner.make_train_step(
-      graphdef, tx, mesh, inner.train_state_shardings(state, mesh, shardings),
-      donate=settings.donates_state)
+  state_shardings = inner.train_state_shardings(state, mesh, shardings)
+  leaves, treedef = jax.tree.flatten(state_shardings)
+  # `tx` is made from settings.inner and num_steps alone (make_inner_optimizer).
+  key = (graphdef, settings.model, settings.inner, settings.num_steps, mesh, treedef,
+         tuple(leaves), settings.donates_state)
+  with _TRAIN_STEPS_LOCK:
+    train_step = _TRAIN_STEPS.pop(key, None)
+    if train_step is None:
+      train_step = inner.make_train_step(graphdef, tx, mesh, state_shardings,
+                                         donate=settings.donates_state)
+    _TRAIN_STEPS[key] = train_step  # the newest last; the oldest goes first
+    while len(_TRAIN_STEPS) > _MAX_TRAIN_STEPS:
+      _TRAIN_STEPS.popitem(last=False)
   started = time.perf_counter()
   batch_size = settings.learner_batch_sizes[index]
   _compile(train_step, state, batch_size, settings.data.seq_len)
