@@ -5,7 +5,6 @@ import collections
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
 
@@ -20,9 +19,15 @@ from tests.conftest import tiny_settings
 ray = pytest.importorskip("ray")
 
 
+# The learner and syncer processes share one compilation cache (set by `local_ray`): a process
+# Ray restarts loads its programs instead of compiling them again, as a real run's restarts do.
+_CACHE = {"dir": ""}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
+def local_ray(tmp_path_factory):
   """One local Ray for the module (loopback only; starting one takes seconds)."""
+  _CACHE["dir"] = str(tmp_path_factory.mktemp("ray_jax_cache"))
   ray_runtime.start_ray("", num_learners=2)
   ray_runtime._started_here = False  # the runs below leave it up  # pylint: disable=protected-access
   node = ray.nodes()[0]
@@ -31,14 +36,9 @@ def local_ray():
   ray.shutdown()
 
 
-_CACHE = tempfile.mkdtemp(prefix="dd_ray_jax_cache_")
-
-
 def _settings(tmp_path, **overrides):
-  # The learner and syncer processes share one compilation cache: a process Ray restarts loads
-  # its programs instead of compiling them again, as a real run's restarts do.
   fields = dict(runtime="ray", num_learners=2, num_steps=32, checkpoint__every_steps=0,
-                learner_mesh_shapes=((1, 1),), compilation_cache_dir=_CACHE)
+                learner_mesh_shapes=((1, 1),), compilation_cache_dir=_CACHE["dir"])
   fields.update(overrides)
   return tiny_settings(tmp_path, **fields)
 
