@@ -154,12 +154,11 @@ def get_config() -> ml_collections.ConfigDict:
   # theta <- Theta + (theta_now - theta_offered). False = the paper's plain overwrite.
   config.merge.keep_in_flight_progress = False
   # Robust merge (algorithm/robust.py): the syncer rejects an outer gradient that is not finite, or
-  # whose norm exceeds this many times the median of the last 32 norms it accepted for that fragment
-  # (no outlier test until 4 were accepted; a window that two learners outgrow together starts
-  # again). Not published. In this run (results/nan_default_run.json) no accepted norm exceeded
-  # 1.31x its median after step 100; in the warmup the second round of fragments 3-8 (a whole
-  # period, against a first round of 3-8 steps at a tiny rate) was 11-190x the first and was
-  # rejected once before its window started again (24 offers; final loss 1.6035, as before). 10
+  # whose norm per unit of inner learning rate exceeds this many times the median of the last 32
+  # such norms it accepted for that fragment (no outlier test until 4 were accepted; a window that
+  # two learners outgrow together starts again). Not published. In this run (2026-11-25) no
+  # accepted norm exceeded 1.26x its fragment's window median up to step 100 and 1.74x after, and
+  # no healthy offer was rejected (per step, before: 24 rejected in the warmup, 11-190x). 10
   # rejects an update that blew up by an order of magnitude. 0 = no outlier test; a non-finite outer
   # gradient is rejected whatever the value.
   config.merge.max_norm_ratio = 10.0

@@ -98,3 +98,19 @@ def test_fragment_norm_is_over_every_tensor_and_nonfinite_exactly_when_a_value_i
   for bad in (np.nan, np.inf):
     poisoned = [deltas[0], np.array([0.0, bad], np.float32)]
     assert not math.isfinite(robust.fragment_norm(poisoned))
+
+
+def test_the_step_scale_is_the_sum_of_the_learning_rates_of_the_steps_an_offer_covers():
+  per_step = robust.StepScale(None)
+  assert per_step(step=12, steps=11) == 11.0 and per_step(step=5, steps=0) == 1.0
+  scale = robust.StepScale([0.0, 0.1, 0.2, 0.3, 0.3])
+  assert scale(step=3, steps=2) == pytest.approx(0.1 + 0.2)  # updates 1 and 2
+  assert scale(step=5, steps=5) == pytest.approx(0.9)
+  # Update 0 of a warmup from 0 moved nothing: floored at the smallest positive rate, never 0.
+  assert scale(step=1, steps=1) == pytest.approx(0.1)
+  # Out of range (a restored offer, a step past the schedule) is clamped to it.
+  assert scale(step=9, steps=2) == pytest.approx(0.3 + 0.3)
+  assert scale(step=2, steps=7) == pytest.approx(0.1)
+  for bad in ([], [0.0, 0.0], [0.1, -0.1], [0.1, math.nan]):
+    with pytest.raises(ValueError, match="learning rates"):
+      robust.StepScale(bad)

@@ -57,7 +57,7 @@ class NotLanded(np.ndarray):
 def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=1.0, overlap=1,
             num_devices=1, rule="rda", anchor="learner", outer_tx=None, initial=0.0,
             num_fragments=2, attached=None, max_norm_ratio=10.0, metrics=None,
-            heartbeat_timeout_s=0.0, broadcast_delta="none"):
+            heartbeat_timeout_s=0.0, broadcast_delta="none", inner_learning_rates=None):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, num_fragments, "balanced",
                                       embedding_names=("embedder/embedding",))
@@ -73,7 +73,8 @@ def _syncer(*, num_learners=2, period=2, quorum=1, grace_gamma=0.0, grace_cap_s=
       merge=default_settings("merge", rule=rule, anchor=anchor, max_norm_ratio=max_norm_ratio),
       compression=default_settings("compression", outer_grad="fp32",
                                    broadcast_delta=broadcast_delta),
-      num_learners=num_learners, num_workers=1, metrics=metrics)
+      num_learners=num_learners, num_workers=1, metrics=metrics,
+      inner_learning_rates=inner_learning_rates)
   syncer.compile()
   learners = [Scripted(m) for m in range(num_learners if attached is None else attached)]
   for m, link in enumerate(learners):
@@ -500,6 +501,37 @@ def test_an_offer_covering_many_steps_is_judged_per_step_and_the_flush_merges_it
   assert tape_lib.unmerged_steps_at_end(syncer.tape, [12] * 4, 2) == [0] * 4
   hasty = _offer(syncer, 1, p, 12.0, step=12, since=11, anchor=1.0, anchor_version=1)
   assert [r.reason for r in syncer.model.screen(p, [hasty]).rejected] == ["outlier"]
+
+
+@pytest.mark.parametrize("per_learning_rate", [True, False])
+def test_honest_offers_from_the_warmup_and_after_it_are_judged_per_unit_of_learning_rate(
+    running, per_learning_rate):
+  """A 100-step linear warmup (rate t / 100 at update t). Round 1 takes update 1 (rate 0.01); round 2
+  updates 21..40 (rates sum to 6.1, 0.305 a step): each learner's Delta is its rates' sum, as an
+  AdamW learner's roughly is. Per step, round 2 is 30x round 1 and every offer would be an outlier
+  (CI at stop 24: three honest learners of four rejected so); per unit of learning rate the two
+  rounds are alike and every learner is merged. Judged per step (no schedule), they are not."""
+  rates = np.arange(100) / 100.0
+  syncer, links = _syncer(num_learners=4, quorum=4, rule="average",
+                          inner_learning_rates=rates if per_learning_rate else None)
+  p = 1
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, -0.01 * (1 + link.index / 100), step=2, since=1)
+  running(syncer)
+  _step(syncer, range(4), 2)
+  _wait(lambda: syncer.stats.merges == 1)
+  theta = -0.01 * np.mean([1 + m / 100 for m in range(4)])
+  for link in links:
+    link.answers[p] = _offer(syncer, link.index, p, theta - 6.1 * (1 + link.index / 100), step=41,
+                             since=21, anchor=theta, anchor_version=1)
+  _step(syncer, range(4), 41)
+  if per_learning_rate:
+    _wait(lambda: syncer.stats.merges == 2)
+    assert [d["learners"] for d in syncer.tape] == [[0, 1, 2, 3]] * 2
+    assert syncer.stats.rejected_offers["outlier"] == 0
+  else:
+    # All four rejected (the window then starts again and a later round takes them: robust.py).
+    _wait(lambda: syncer.stats.rejected_offers["outlier"] == 4)
 
 
 def test_a_final_round_that_finds_the_yardstick_stale_runs_again(running):

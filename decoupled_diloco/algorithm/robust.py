@@ -7,14 +7,20 @@ move Theta_p (every learner then inherits it), so the syncer judges each offer b
 - *nonfinite*: ||Delta_m|| is NaN or inf (some value of Delta_m is), rejected always;
 - *outlier*: ||Delta_m|| > max_norm_ratio x the median of the last `WINDOW` accepted norms of that
   fragment (max_norm_ratio = 0: no outlier test). The median, not the mean: one huge norm that got
-  in, or a few, barely moves it. The caller passes norms per inner step the offer covers
-  (`GlobalModel.screen`): offers of one fragment cover 1 step or 11, and an honest one moves about
-  as far as its steps take it.
+  in, or a few, barely moves it.
+
+The caller passes norms per unit of inner learning rate (`StepScale`, `GlobalModel.screen`): the
+norm divided by the sum of the learners' learning rates over the inner steps the offer covers.
+Offers of one fragment cover 1 step or 11 (a learner that rejoined behind its peers), and an AdamW
+step moves each parameter by about its learning rate, so an honest offer moves about as far as the
+learning rates of its steps take it. Per step alone was not enough: the first round of a fragment
+covers a few steps early in the warmup, the next a whole period at a rate 10-20x larger, and honest
+offers of three learners out of four were rejected that way (CI, stop 24; 24 offers in the default
+run). Without a schedule (`StepScale(None)`) the norm is per step.
 
 Only accepted norms enter the window, so a learner that keeps offering outliers never makes itself
-look normal. But honest norms can jump too: the first round of a fragment covers few steps early in
-the learning-rate warmup, the next a whole period at a larger rate (measured in the tiny run: 20x),
-and with the accepted window alone every later offer of that fragment would be rejected forever.
+look normal. But honest norms can still drift (the loss level, the gradient noise), and with the
+accepted window alone every later offer of a fragment that outgrew it would be rejected forever.
 So when offers of `DISAGREEING_LEARNERS` different learners were rejected as outliers and none was
 accepted since, the yardstick is taken to be stale, not all of them: the window is emptied and
 refills from the next offers. A lone bad learner never empties it (any accepted peer offer
@@ -46,6 +52,38 @@ MIN_ACCEPTED = 4
 # Two: one learner is the suspect; two that agree with each other against the history are the
 # evidence that the scale moved. A run of one learner needs only itself.
 DISAGREEING_LEARNERS = 2
+
+
+class StepScale:
+  """What an offer's outer-gradient norm is divided by before it is judged: the sum of the inner
+  learning rates of the steps it covers, or their number when no schedule is given.
+
+  `learning_rates[t]` is the rate of the update that takes a learner from step t to step t + 1
+  (the same schedule for every learner). An offer published after step `step` covering `steps`
+  steps covers the updates step - steps .. step - 1. A warmup that starts at 0 gives the first
+  update no rate at all; an honest offer of that update alone moved nothing, so the sum is floored
+  at the smallest positive rate, never 0.
+  """
+
+  def __init__(self, learning_rates: Sequence[float] | np.ndarray | None):
+    if learning_rates is None:
+      self._cumulative = None
+      return
+    rates = np.asarray(learning_rates, np.float64).ravel()
+    if rates.size == 0 or not np.all(np.isfinite(rates)) or np.any(rates < 0):
+      raise ValueError(f"learning rates must be finite and >= 0, at least one; got {rates[:4]}...")
+    positive = rates[rates > 0]
+    if positive.size == 0:
+      raise ValueError("learning rates are all 0: no step moves a parameter")
+    self._cumulative = np.concatenate([[0.0], np.cumsum(rates)])
+    self._floor = float(positive.min())
+
+  def __call__(self, step: int, steps: int) -> float:
+    if self._cumulative is None:
+      return float(max(steps, 1))
+    end = min(max(int(step), 0), self._cumulative.size - 1)
+    start = min(max(end - int(steps), 0), end)
+    return max(float(self._cumulative[end] - self._cumulative[start]), self._floor)
 
 
 def fragment_norm(deltas: Iterable[np.ndarray]) -> float:

@@ -126,7 +126,10 @@ class GlobalModel:
   def __init__(self, *, fragments: Sequence[fragments_lib.Fragment],
                initial_params: Mapping[str, np.ndarray], mesh: Mesh,
                outer_tx: optax.GradientTransformation, merge: settings_lib.MergeSettings,
-               compression: settings_lib.CompressionSettings, num_learners: int):
+               compression: settings_lib.CompressionSettings, num_learners: int,
+               inner_learning_rates: Sequence[float] | np.ndarray | None = None):
+    """`inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
+    norms per unit of it); None judges them per step."""
     self.fragments = tuple(fragments)
     self.mesh = mesh
     self._merge = merge
@@ -151,6 +154,7 @@ class GlobalModel:
                          for n, v in theta.items()} for theta in self._theta]
     self._num_learners = num_learners
     self._norm_windows = [robust.NormWindow() for _ in self.fragments]
+    self._step_scale = robust.StepScale(inner_learning_rates)
     self._merge_fns = {average: self._build_merge_fn(average) for average in (False, True)}
     self._programs: dict[tuple[tuple[int, ...], bool], Any] = {}
 
@@ -244,18 +248,19 @@ class GlobalModel:
     """Judges each offer's outer gradient Delta_m = anchor - theta_m (robust merge, issue 9).
 
     The learner's own Delta_m, whatever `merge.anchor`: a learner is judged by what it did, not by
-    how far Theta_p moved since its anchor. And per inner step the offer covers: an honest offer
-    that waited 11 steps for a merge of p (a learner that rejoined behind its peers, or one the
-    last rounds missed) moves about 11x as far as the 1-step offers the window holds; by its raw
-    norm it would be an outlier, rejected in every round, the flush's included, and its steps
-    never merged (seen in a chaos soak). A diverged or corrupted state is orders of magnitude off,
-    per step too. Reads the fragment's window of accepted norms and changes nothing, so like
+    how far Theta_p moved since its anchor. And per unit of the inner learning rate over the steps
+    the offer covers (`robust.StepScale`): an honest offer that waited 11 steps for a merge of p (a
+    learner that rejoined behind its peers, or one the last rounds missed) moves about 11x as far
+    as the 1-step offers the window holds, one made after the warmup 10-20x as far as one made
+    early in it; by its raw norm it would be an outlier, rejected in every round, the flush's
+    included, and its steps never merged (seen in a chaos soak). A diverged or corrupted state is
+    orders of magnitude off, per unit of learning rate too. Reads the fragment's window of accepted norms and changes nothing, so like
     `merge` it runs at most once at a time per fragment, and the caller keeps its outcome
     (`keep_screening`) before the next screen of that fragment.
     """
     names = self.fragments[p].names
     norms = [robust.fragment_norm(offer.outer_gradient(name) for name in names)
-             / max(offer.steps, 1) for offer in offers]
+             / self._step_scale(offer.step, offer.steps) for offer in offers]
     verdicts, window = robust.judge_round([o.learner for o in offers], norms,
                                           self._norm_windows[p], self._merge.max_norm_ratio,
                                           self._num_learners)
@@ -399,7 +404,9 @@ class GlobalModel:
     }
     # The robust merge's yardsticks: a restarted syncer judges offers as the lost one would have.
     windows = [{"norms": list(w.norms), "outliers": sorted(w.outliers)} for w in self._norm_windows]
-    return arrays, {"names": names, "versions": versions, "norm_windows": windows}
+    # Norms per unit of learning rate; checkpoints written before they were ("norm_windows", per
+    # step) are not comparable and are not read: those windows refill from the next offers.
+    return arrays, {"names": names, "versions": versions, "norm_windows_per_lr": windows}
 
   def load_state(self, arrays: Mapping[str, Any], values: Mapping[str, Any]) -> None:
     """Makes a checkpoint's Theta, outer states and versions current (before any merge runs)."""
@@ -427,7 +434,7 @@ class GlobalModel:
         if self._keep_history:
           self._history[p] = {self._versions[p]: dict(theta)}
     self.require_keyframes()  # R_p is not in the checkpoint
-    for p, window in enumerate(values["norm_windows"]):
+    for p, window in enumerate(values.get("norm_windows_per_lr", ())):
       self._norm_windows[p] = dataclasses.replace(
           self._norm_windows[p], norms=tuple(float(n) for n in window["norms"]),
           outliers=frozenset(int(m) for m in window["outliers"]))

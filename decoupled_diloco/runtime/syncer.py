@@ -209,6 +209,7 @@ class Syncer:
       num_workers: int,
       metrics: metrics_lib.MetricsWriter | None = None,
       network: network_lib.Network | None = None,
+      inner_learning_rates: Sequence[float] | np.ndarray | None = None,
   ):
     self._sync = sync
     self._network = network  # the links to the learners go through it (partitions)
@@ -216,7 +217,8 @@ class Syncer:
     self._metrics = metrics
     self.model = global_model_lib.GlobalModel(
         fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
-        merge=merge, compression=compression, num_learners=num_learners)
+        merge=merge, compression=compression, num_learners=num_learners,
+        inner_learning_rates=inner_learning_rates)
     self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
     self._incarnations: dict[int, int] = {}
@@ -992,7 +994,7 @@ class Syncer:
     self.stats.rejected_offers[rejection.reason] += 1
     median = "none yet" if rejection.median is None else f"{rejection.median:.4g}"
     logging.warning("syncer: rejected learner %d's offer of fragment %d (step %d, incarnation %d): "
-                    "%s outer gradient, norm per step %.4g, median of accepted ones %s",
+                    "%s outer gradient, norm per unit of learning rate %.4g, median of accepted ones %s",
                     offer.learner, p, offer.step, offer.incarnation, rejection.reason,
                     rejection.norm, median)
     if self._metrics is not None:

@@ -377,7 +377,10 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
                                           settings.outer.momentum),
       merge=settings.merge, compression=settings.compression,
       num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
-      metrics=metrics, network=network)
+      metrics=metrics, network=network,
+      # The robust merge judges outer-gradient norms per unit of the learners' learning rate.
+      inner_learning_rates=np.asarray(inner.make_learning_rate_schedule(
+          settings.inner, settings.num_steps)(np.arange(settings.num_steps))))
   made.compile()
   return made
 
