@@ -4,6 +4,7 @@ Runs are tiny (a 2-layer, 32-wide model, 24 steps) so that each takes seconds on
 """
 
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -357,6 +358,25 @@ def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path)
   assert max(slow_steps) >= 24 - 2 * period
   gaps = np.diff(sorted(set([0] + slow_steps)))
   assert gaps.max() <= 2 * period, sorted(slow_steps)
+
+
+def test_progress_lines_and_evaluations_go_on_while_a_straggler_trains_after_the_fastest_finish(
+    tmp_path, caplog):
+  """Once the fastest learners are done, the run is not silent until the straggler ends: progress
+  lines and evaluations follow the slowest learner still training, on the same boundaries, and
+  each evaluation names the slowest learner's step beside the fastest's."""
+  run = train.build(tiny_settings(tmp_path, eval_every=4, log_every=4,
+                                  learner_step_delays_s=(0.0, 0.0, 0.0, 0.25)))
+  with caplog.at_level(logging.INFO, logger="absl"):
+    summary = train.execute(run, progress=True)
+  tail = [e for e in summary["eval_history"] if e["step"] == 24 and not e["final"]]
+  assert tail and all(e["slowest_step"] < 24 for e in tail), summary["eval_history"]
+  slowest = [e["slowest_step"] for e in summary["eval_history"]]
+  assert slowest == sorted(slowest) and summary["eval_history"][-1]["slowest_step"] == 24
+  waiting = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("step 24/24") and "still training: learner 3 at step"
+             in r.getMessage()]
+  assert waiting, [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
 
 
 def _broken_syncer_run(tmp_path, *, fail_in: str):

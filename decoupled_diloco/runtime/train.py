@@ -811,6 +811,7 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
   next_log = (clock // settings.log_every + 1) * settings.log_every
   next_eval = (clock // settings.eval_every + 1) * settings.eval_every if settings.eval_every \
       else None
+  tail_log = tail_eval = None  # the boundaries once the fastest learner is done (see below)
   last_steps, last_change = -1, time.monotonic()
   supervisor, keeper, restarter = run.supervisor, run.keeper, run.restarter
   lock_step = settings.sync is not None and settings.sync.lock_step
@@ -844,12 +845,29 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
           f"no learner made a step for {stall_timeout} s (config.stall_timeout_s); learner "
           f"steps {[l.step for l in learners]}")
     clock = max(l.step for l in learners)
-    if progress and clock >= next_log:
-      _log_progress(run, clock, evals)
-      next_log += settings.log_every
-    if next_eval is not None and clock >= next_eval and clock < settings.num_steps:
-      evals.append(_evaluate(run, clock))
-      next_eval += settings.eval_every
+    if clock < settings.num_steps:
+      if progress and clock >= next_log:
+        _log_progress(run, clock, evals)
+        next_log += settings.log_every
+      if next_eval is not None and clock >= next_eval:
+        evals.append(_evaluate(run, clock))
+        next_eval += settings.eval_every
+    else:
+      # The fastest learner is done and others still train (a straggler, a learner that rejoined
+      # behind): progress lines and evaluations go on by the step of the slowest one still
+      # training, on the same boundaries, instead of stopping until the run ends.
+      training = [l.step for l in learners if not l.finished_training.is_set()]
+      tail = min(training) if training else settings.num_steps
+      if tail_log is None:
+        tail_log = (tail // settings.log_every + 1) * settings.log_every
+        tail_eval = ((tail // settings.eval_every + 1) * settings.eval_every
+                     if settings.eval_every else None)
+      if progress and tail >= tail_log and tail < settings.num_steps:
+        _log_progress(run, clock, evals)
+        tail_log = (tail // settings.log_every + 1) * settings.log_every
+      if tail_eval is not None and tail >= tail_eval and tail < settings.num_steps:
+        evals.append(_evaluate(run, clock))
+        tail_eval = (tail // settings.eval_every + 1) * settings.eval_every
     saver.tick(clock)
 
 
@@ -965,7 +983,10 @@ def _evaluate(run: Run, clock: int, final: bool = False) -> dict[str, Any]:
   run.eval_windows.append((started_at, time.monotonic()))
   # at_s: when the evaluated Theta was read, in seconds since this process's training started
   # (time-to-loss figures; a resumed run counts from its own start).
-  record = {"step": clock, "eval_loss": loss, "eval_bits_per_byte": bpb, "final": final,
+  # step: the fastest learner's; slowest_step: the slowest learner's (they differ by a straggler's
+  # lag, and after the fastest learner is done, `step` stays at num_steps while the others train).
+  record = {"step": clock, "slowest_step": min(l.step for l in run.learners),
+            "eval_loss": loss, "eval_bits_per_byte": bpb, "final": final,
             "seconds": time.perf_counter() - started,
             "at_s": started_at - run.started_at if run.started_at is not None else 0.0}
   if run.validator is not None:
@@ -991,6 +1012,11 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
       f"{settings.tokens_per_step(l.index) / np.mean(l.step_times[-settings.log_every:]) / 1e3:.1f}k"
       if l.step_times else "-" for l in run.learners)
   line = f"step {clock}/{settings.num_steps} | loss {losses} | tokens/s {rates}"
+  if clock >= settings.num_steps:
+    training = [l for l in run.learners if not l.finished_training.is_set()]
+    if training:  # the fastest is done: who the run still waits for
+      line += " | still training: " + ", ".join(
+          f"learner {l.index} at step {l.step}" for l in training)
   recent = _throughput(run, run.learners, last=settings.log_every)
   if recent.tokens_per_s_per_device is not None:
     line += f" | tok/s/dev {recent.tokens_per_s_per_device:,.0f}"
