@@ -14,7 +14,7 @@ per configuration, after the choice, to report it. Both modes get tuning budgets
      at their tuned settings; the gap is read on the eval split.
 
 Each run is a separate training command (scripts/study_common.py); a stopped study resumes where
-it stopped. Stage 1 is about 19 runs (~40 min on 2 cores), stage 2 8 runs of 800 steps
+it stopped. Stage 1 is about 21 runs (~45 min on 2 cores), stage 2 8 runs of 800 steps
 (~60-70 min): this study is the long one.
 
   python scripts/study_quality.py                    # both stages
@@ -38,8 +38,8 @@ _, _SEEDS, _FRESH = sc.study_flags(num_steps=None, seeds_help="Seeds of the conf
 
 VALIDATION = {"data.validation_fraction": 0.05, "eval_every": 0, "eval_batches": 16}
 # The inner learning rates both modes try (tiny_cpu: 3e-3). At 200 steps dp's best was the largest
-# of 2e-3..8e-3, so the grid goes on to 1.2e-2 to bracket it; decoupled tries the same grid.
-LRS = (2e-3, 3e-3, 5e-3, 8e-3, 1.2e-2)
+# of 2e-3..8e-3, then of 2e-3..1.2e-2, so the grid goes on to 2e-2; decoupled tries the same grid.
+LRS = (2e-3, 3e-3, 5e-3, 8e-3, 1.2e-2, 2e-2)
 # Decoupled knobs in the order they are tuned; the first value of each is tiny_cpu's default.
 KNOBS = (
     ("outer", ({}, {"outer.learning_rate": 0.5}, {"outer.learning_rate": 1.0},
