@@ -7,8 +7,14 @@ import os
 # 4 learners x 2 devices + 4 syncer shards, the layout of experiments/tiny_cpu.py.
 NUM_FAKE_DEVICES = 12
 
+# The tests' programs are tiny and run a few steps: XLA's CPU backend compiles them without its
+# LLVM optimisations, which halves the compile time that dominates most tests (a tiny 4-learner
+# run built in 28 s, 16 s so; its 24 steps 1.0 s, 1.2 s so). Every run of a test, and the
+# processes it starts, compile alike, so comparisons between runs are unchanged.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
 os.environ.setdefault(
-    "XLA_FLAGS", f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"
+    "XLA_FLAGS", f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -5,6 +5,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -51,20 +52,23 @@ def test_none_leaves_the_process_cache_alone(session_cache):
 
 
 def test_a_run_built_again_in_the_same_process_reuses_its_compiled_steps(tmp_path):
-  """train.learner_parts keeps the jitted steps it made: the same model, optimizer, number of
-  steps and meshes take the same step and compile nothing; another number of steps (the learning
-  rate schedule is part of the program) gets its own."""
-  first = train.build(tiny_settings(tmp_path / "a", num_learners=2,
-                                    learner_mesh_shapes=((2, 1), (2, 1))))
+  """train.learner_parts keeps the jitted steps it made: the same model, optimizer and meshes
+  take the same compiled program and compile nothing, whatever their number of steps and
+  learning-rate schedule (an argument of the program, each run's own); another model gets its
+  own."""
+  shapes = dict(num_learners=2, learner_mesh_shapes=((2, 1), (2, 1)))
+  first = train.build(tiny_settings(tmp_path / "a", **shapes))
   steps = [l._train_step for l in first.learners]  # pylint: disable=protected-access
   sizes = [s._cache_size() for s in steps]  # pylint: disable=protected-access
-  again = train.build(tiny_settings(tmp_path / "b", num_learners=2,
-                                    learner_mesh_shapes=((2, 1), (2, 1))))
-  assert [l._train_step for l in again.learners] == steps  # pylint: disable=protected-access
+  again = train.build(tiny_settings(tmp_path / "b", num_steps=25, inner__learning_rate=1e-2,
+                                    **shapes))
+  for step, later in zip(steps, [l._train_step for l in again.learners]):  # pylint: disable=protected-access
+    assert later.jitted is step.jitted
+    assert later.schedule_values.tolist() != step.schedule_values.tolist()
+    assert later.schedule_values[2] == 25 and later.schedule_values[0] == np.float32(1e-2)
   assert [s._cache_size() for s in steps] == sizes  # pylint: disable=protected-access
-  other = train.build(tiny_settings(tmp_path / "c", num_learners=2, num_steps=25,
-                                    learner_mesh_shapes=((2, 1), (2, 1))))
+  other = train.build(tiny_settings(tmp_path / "c", model__mlp_dim=96, **shapes))
   others = [l._train_step for l in other.learners]  # pylint: disable=protected-access
-  assert all(o is not s for o, s in zip(others, steps))
+  assert all(o.jitted is not s.jitted for o, s in zip(others, steps))
   for run in (first, again, other):
     train.execute(run, progress=False)  # closes its files

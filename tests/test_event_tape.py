@@ -111,6 +111,8 @@ def test_a_replay_with_other_model_settings_is_refused_naming_the_field(recorded
   recording, _ = recorded
   with pytest.raises(event_tape.TapeError, match="config.model.mlp_dim=64 there, 128 here"):
     _replay(tmp_path, recording, model__mlp_dim=128)
+  # Refused before the run was built (nothing compiled, no metrics opened).
+  assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_replay_settings_are_validated(tmp_path):

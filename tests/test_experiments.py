@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from conftest import TEST_XLA_FLAGS
 from decoupled_diloco import settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +61,7 @@ print(json.dumps({{"shapes": [list(m.devices.shape) for m in learner_meshes],
 def test_tpu_reference_config_builds_its_learner_meshes(name, num_devices, shapes):
   path = os.path.join(ROOT, "experiments", name)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+             XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={num_devices}")
   out = subprocess.run([sys.executable, "-c", _BUILD_MESHES.format(root=ROOT, path=path)],
                        env=env, capture_output=True, text=True, timeout=240, check=True)
   result = json.loads(out.stdout.strip().splitlines()[-1])

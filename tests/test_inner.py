@@ -63,6 +63,46 @@ def test_schedule_warms_up_from_zero_then_decays_to_final_fraction():
   assert float(schedule(110)) == pytest.approx(3e-4)
 
 
+def test_the_host_and_the_compiled_step_follow_optax_s_schedule():
+  """inner.learning_rates (the robust merge's yardstick) and the schedule the compiled step reads
+  from its argument are optax's warmup-cosine, with or without a warmup."""
+  for cfg, total in ((_inner_config(learning_rate=3e-3, warmup_steps=10), 110),
+                     (_inner_config(warmup_steps=0, final_lr_fraction=0.0), 7)):
+    expected = np.asarray(inner.make_learning_rate_schedule(cfg, total)(np.arange(total + 2)))
+    np.testing.assert_allclose(inner.learning_rates(cfg, total), expected[:total], rtol=1e-6,
+                               atol=1e-12)
+    values = jnp.asarray(inner.make_inner_optimizer(cfg, total).schedule_values)
+    traced = jax.jit(lambda count, v: inner._traced_schedule(v)(count))(  # pylint: disable=protected-access
+        jnp.arange(total + 2), values)
+    np.testing.assert_allclose(traced, expected, rtol=1e-5, atol=1e-12)
+
+
+def test_runs_that_differ_only_in_their_schedule_share_one_program_and_step_on_their_own():
+  """The schedule is an argument of the compiled step, not constants in it: another learning
+  rate, warmup, final fraction or number of steps gives the same program (one compilation for a
+  study's arms, a resumed run given more steps, the tests), and each step moves the parameters
+  by its own rate: a step at twice the rate moves them twice as far (AdamW's update is the rate
+  times a direction the rate does not change)."""
+  graphdef, _, state, compiled = _setup(1, 1)  # its schedule: _inner_config(), TOTAL_STEPS
+  params = state.params
+  configs = [(_inner_config(warmup_steps=0, learning_rate=1e-3), 50),
+             (_inner_config(warmup_steps=0, learning_rate=2e-3, final_lr_fraction=0.5), 400)]
+  mesh = _mesh(1, 1)
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  programs, moved = [compiled.lower(state, _batch(0)).as_text()], []
+  for cfg, total in configs:
+    tx = inner.make_inner_optimizer(cfg, total)
+    step = inner.make_train_step(graphdef, tx, mesh, state_shardings)
+    programs.append(step.lower(state, _batch(0)).as_text())
+    # As train.learner_parts does: the program compiled once, on this run's schedule.
+    new_state, _ = compiled.with_schedule(tx.schedule_values)(state, _batch(0))
+    moved.append({n: np.asarray(new_state.params[n]) - np.asarray(params[n]) for n in params})
+  assert programs[0] == programs[1] == programs[2]
+  name = model.EMBEDDING_NAME
+  np.testing.assert_allclose(moved[1][name], 2 * moved[0][name], rtol=1e-4, atol=1e-9)
+  assert np.abs(moved[0][name]).max() > 0
+
+
 def test_first_step_moves_nothing_because_warmup_starts_at_zero():
   # Weight decay is scaled by the same zero lr, so it moves nothing either.
   _, _, state, step_fn = _setup(1, 1)

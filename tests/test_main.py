@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import TEST_XLA_FLAGS
 from decoupled_diloco import settings
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,7 +25,8 @@ _BEFORE_COMPILING_S = 60
 def _main(*args: str) -> tuple[subprocess.CompletedProcess, float]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
-  env.pop("XLA_FLAGS", None)  # as in a user's shell: the run asks for its fake devices itself
+  # As in a user's shell: the run asks for its fake devices itself (the tests' compile flag stays).
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS
   started = time.monotonic()
   out = subprocess.run(
       [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py", *args],

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_settings
+from conftest import TEST_XLA_FLAGS, tiny_settings
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import sampling
 from decoupled_diloco.lm import tokenizers
@@ -103,7 +103,7 @@ def test_the_script_prints_the_prompt_and_the_model_s_greedy_continuation(traine
 def _script(name, *args):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS  # the script asks for its fake devices itself
   return subprocess.run([sys.executable, str(_ROOT / "scripts" / name), *args], cwd=_ROOT,
                         env=env, capture_output=True, text=True, timeout=120, check=False)
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -65,8 +66,7 @@ class InnerConfig:
           f"config.inner.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 = off)")
 
 
-def make_learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
-  """Linear warmup 0 -> lr over `warmup_steps`, then cosine to lr * final_lr_fraction at `total_steps`."""
+def _check_total_steps(cfg: InnerConfig, total_steps: int) -> None:
   if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
     raise ValueError(f"total_steps={total_steps!r} must be a positive integer")
   if cfg.warmup_steps >= total_steps:
@@ -74,6 +74,11 @@ def make_learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Sch
         f"config.inner.warmup_steps={cfg.warmup_steps!r} must be an integer in "
         f"[0, total_steps={total_steps})"
     )
+
+
+def make_learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup 0 -> lr over `warmup_steps`, then cosine to lr * final_lr_fraction at `total_steps`."""
+  _check_total_steps(cfg, total_steps)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=cfg.learning_rate,
@@ -83,15 +88,92 @@ def make_learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Sch
   )
 
 
-def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
-  """AdamW on the warmup-cosine schedule, after global-norm clipping when grad_clip_norm > 0."""
-  adamw = optax.adamw(
-      learning_rate=make_learning_rate_schedule(cfg, total_steps),
-      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-  )
+def learning_rates(cfg: InnerConfig, total_steps: int) -> np.ndarray:
+  """The rate of each update 0 .. total_steps - 1, on the host (float64): the same curve as
+  `make_learning_rate_schedule`, without a device program per schedule."""
+  _check_total_steps(cfg, total_steps)
+  count = np.arange(total_steps, dtype=np.float64)
+  peak, warmup = cfg.learning_rate, cfg.warmup_steps
+  rising = -peak * (1 - np.clip(count, 0, warmup) / max(warmup, 1)) + peak
+  decay = total_steps - warmup
+  cosine = 0.5 * (1 + np.cos(np.pi * np.clip(count - warmup, 0, decay) / decay))
+  falling = peak * ((1 - cfg.final_lr_fraction) * cosine + cfg.final_lr_fraction)
+  return np.where(count < warmup, rising, falling)
+
+
+def _traced_schedule(values: jax.Array) -> optax.Schedule:
+  """The warmup-cosine of `make_learning_rate_schedule` with its numbers [peak, warmup_steps,
+  total_steps, end] read from a traced array: one compiled step serves every such schedule."""
+  peak, warmup, total, end = values[0], values[1], values[2], values[3]
+
+  def schedule(count: jax.Array) -> jax.Array:
+    count = count.astype(jnp.float32)
+    # optax's linear_schedule from 0 and cosine_decay_schedule, term for term.
+    rising = -peak * (1 - jnp.clip(count, 0, warmup) / jnp.maximum(warmup, 1.0)) + peak
+    decay = total - warmup
+    cosine = 0.5 * (1 + jnp.cos(jnp.pi * jnp.clip(count - warmup, 0, decay) / decay))
+    alpha = jnp.where(peak == 0, 0.0, end / peak)
+    falling = peak * ((1 - alpha) * cosine + alpha)
+    return jnp.where(count < warmup, rising, falling)
+
+  return schedule
+
+
+def _adamw(cfg: InnerConfig, learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+  adamw = optax.adamw(learning_rate=learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                      weight_decay=cfg.weight_decay)
   if cfg.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
   return adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerOptimizer:
+  """AdamW on the warmup-cosine schedule, after global-norm clipping when grad_clip_norm > 0.
+
+  A GradientTransformation (`init`, `update`) whose schedule `make_train_step` passes to the
+  compiled step as an argument (`schedule_values`) instead of folding it in as constants: runs that
+  differ only in learning rate, warmup, final fraction or number of steps (a study's arms, a
+  resumed run given more steps, the tests) share one compiled program. The optimizer state has
+  the same structure either way.
+  """
+
+  cfg: InnerConfig
+  total_steps: int
+
+  def __post_init__(self):
+    _check_total_steps(self.cfg, self.total_steps)
+
+  @property
+  def _static(self) -> optax.GradientTransformation:
+    return _adamw(self.cfg, make_learning_rate_schedule(self.cfg, self.total_steps))
+
+  def init(self, params: Any) -> optax.OptState:
+    return self._static.init(params)
+
+  def update(self, updates: Any, state: optax.OptState, params: Any = None) -> Any:
+    return self._static.update(updates, state, params)
+
+  @property
+  def schedule_values(self) -> np.ndarray:
+    """[peak, warmup_steps, total_steps, end], float32: the schedule as the step's argument."""
+    cfg = self.cfg
+    return np.asarray([cfg.learning_rate, cfg.warmup_steps, self.total_steps,
+                       cfg.learning_rate * cfg.final_lr_fraction], np.float32)
+
+  @property
+  def program_key(self) -> InnerConfig:
+    """What the compiled step depends on: the config without the schedule's numbers."""
+    return dataclasses.replace(self.cfg, learning_rate=1.0, warmup_steps=0, final_lr_fraction=0.0)
+
+  def traced(self, schedule_values: jax.Array) -> optax.GradientTransformation:
+    """This optimizer inside a traced step, its schedule read from `schedule_values`."""
+    return _adamw(self.cfg, _traced_schedule(schedule_values))
+
+
+def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> InnerOptimizer:
+  """AdamW on the warmup-cosine schedule, after global-norm clipping when grad_clip_norm > 0."""
+  return InnerOptimizer(cfg, total_steps)
 
 
 def _replicated(mesh: Mesh) -> NamedSharding:
@@ -168,6 +250,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
 
   loss is the mean next-token cross-entropy in nats; grad_norm is measured before clipping.
 
+  `tx` an `InnerOptimizer`: its schedule is an argument of the program (`TrainStep`), so every
+  schedule shares it; any other GradientTransformation is folded in as it is.
+
   `donate`: the step writes the new state into the buffers of the old one, so a learner holds one
   train state on its devices instead of two; the caller's state is deleted by the call. Whoever
   must keep reading a state after the next step is dispatched (the learner's publication, for the
@@ -175,23 +260,50 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
   `donates_state` attribute.
   """
 
-  def train_step(state: TrainState, batch: dict[str, jax.Array]
+  def train_step(state: TrainState, batch: dict[str, jax.Array], schedule: jax.Array
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
+    step_tx = tx.traced(schedule) if isinstance(tx, InnerOptimizer) else tx
     loss, grads = jax.value_and_grad(_mean_loss, argnums=1)(graphdef, state.params, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates, opt_state = step_tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
   replicated = _replicated(mesh)
-  step = jax.jit(
+  jitted = jax.jit(
       train_step,
-      in_shardings=(state_shardings, _batch_shardings(mesh)),
+      in_shardings=(state_shardings, _batch_shardings(mesh), replicated),
       out_shardings=(state_shardings, {"loss": replicated, "grad_norm": replicated}),
       donate_argnums=(0,) if donate else (),
   )
-  step.donates_state = donate
-  return step
+  values = tx.schedule_values if isinstance(tx, InnerOptimizer) else np.zeros(4, np.float32)
+  return TrainStep(jitted, mesh, values, donate)
+
+
+class TrainStep:
+  """A learner's compiled step, called (state, batch) like a jitted function: it hands the
+  program its learning-rate schedule, kept on the mesh, as the last argument."""
+
+  def __init__(self, jitted: Any, mesh: Mesh, schedule_values: np.ndarray, donates_state: bool):
+    self.jitted = jitted
+    self.mesh = mesh
+    self.donates_state = donates_state
+    self.schedule_values = np.asarray(schedule_values, np.float32)
+    self._schedule = jax.device_put(self.schedule_values, _replicated(mesh))
+
+  def __call__(self, state: TrainState, batch: dict[str, Any]
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    return self.jitted(state, batch, self._schedule)
+
+  def lower(self, state: Any, batch: Any) -> Any:
+    return self.jitted.lower(state, batch, self._schedule)
+
+  def with_schedule(self, schedule_values: np.ndarray) -> TrainStep:
+    """The same compiled program, stepping on another schedule."""
+    return TrainStep(self.jitted, self.mesh, schedule_values, self.donates_state)
+
+  def _cache_size(self) -> int:
+    return self.jitted._cache_size()  # pylint: disable=protected-access
 
 
 def donates_state(train_step: Callable[..., Any]) -> bool:

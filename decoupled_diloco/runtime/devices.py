@@ -34,8 +34,14 @@ def request_fake_cpu_devices(count: int) -> None:
           f"config.devices.num_fake_cpu_devices={count} but JAX already started with {have} CPU "
           f"devices; set XLA_FLAGS={_COUNT_FLAG}={count} before JAX initialises")
     return
+  os.environ["XLA_FLAGS"] = xla_flags_with_device_count(count)
+
+
+def xla_flags_with_device_count(count: int) -> str:
+  """This process's XLA_FLAGS with the fake CPU device count set to `count`: what a process of
+  this job (a Ray learner or syncer) is started with, so the user's other XLA flags reach it."""
   flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-  os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
+  return f"{flags} {_COUNT_FLAG}={count}".strip()
 
 
 def learner_axes(shape: tuple[int, ...]) -> tuple[int, int, int]:

@@ -299,11 +299,9 @@ class _LearnerCursor:
                          f"{self.learner.incarnation})")
 
 
-def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
-  """Reruns `tape` on `run` (built by `train.build`, nothing started): its learners and the
-  syncer's global model. Returns how it went; the global model and the learners end in the
-  replayed state. Raises ReplayDiverged where an exact replay differs from the recording."""
-  started = time.perf_counter()
+def check_replayable(tape: Tape, now_settings: Mapping[str, str]) -> dict[str, list[str]]:
+  """Raises TapeError if the run of `now_settings` cannot replay `tape` (settings that shape what
+  it computes differ); else `changed_fields`. `train.build` asks before anything compiles."""
   changed = changed_fields(tape.config, now_settings)
   if changed["structural"]:
     shown = "; ".join(f"config.{k}={tape.config.get(k, '(absent)')} there, "
@@ -311,6 +309,15 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
     raise TapeError(f"config.replay: the recorded run had other settings that shape what it "
                     f"computes: {shown}. Replay with the recording's experiment; only merge.*, "
                     "outer.* and compression.* may change (a counterfactual replay)")
+  return changed
+
+
+def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
+  """Reruns `tape` on `run` (built by `train.build`, nothing started): its learners and the
+  syncer's global model. Returns how it went; the global model and the learners end in the
+  replayed state. Raises ReplayDiverged where an exact replay differs from the recording."""
+  started = time.perf_counter()
+  changed = check_replayable(tape, now_settings)
   exact = not changed["counterfactual"]
   model = run.syncer.model
   num_steps = run.settings.num_steps

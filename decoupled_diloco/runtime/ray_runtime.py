@@ -52,6 +52,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import learner as learner_lib
 from decoupled_diloco.runtime import messages
@@ -154,7 +155,6 @@ class LearnerProcess:
     from decoupled_diloco.lm import model as model_lib  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import tokenizers  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.algorithm import fragments as fragments_lib  # pylint: disable=g-import-not-at-top
-    from decoupled_diloco.runtime import devices as devices_lib  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
     self._index, self._secret = index, secret
     self.rejected_calls = 0
@@ -634,7 +634,7 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
   for m, shape in enumerate(settings.learner_mesh_shapes):
     env = {"JAX_PLATFORMS": settings.devices.platform}
     if settings.devices.platform == "cpu":
-      env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={math.prod(shape)}"
+      env["XLA_FLAGS"] = devices_lib.xla_flags_with_device_count(math.prod(shape))
     actors.append(actor_class.options(
         name=f"learner-{m}-{secrets.token_hex(4)}", max_restarts=max(settings.max_restarts, 0),
         max_concurrency=8, num_cpus=1, runtime_env={"env_vars": env},

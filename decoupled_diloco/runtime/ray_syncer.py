@@ -36,6 +36,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import ray_runtime
 
@@ -338,7 +339,7 @@ def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> 
   name = f"syncer-{os.urandom(4).hex()}"
   # Its mesh's devices, and one more that initialises the model (the initial Theta).
   env = {"JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={settings.syncer.num_devices + 1}"}
+         "XLA_FLAGS": devices_lib.xla_flags_with_device_count(settings.syncer.num_devices + 1)}
   actor = ray.remote(SyncerProcess).options(
       name=name, max_restarts=-1, max_concurrency=16, num_cpus=1,
       runtime_env={"env_vars": env}).remote(settings, secret)

@@ -145,6 +145,9 @@ def build(settings: settings_lib.RunSettings, *,
     # A replay keeps earlier states for the takes that name them: none may be donated (donation
     # changes where a state lives, not its values).
     settings = dataclasses.replace(settings, donates_state=False)
+    # A tape this run cannot replay is refused before anything compiles.
+    event_tape.check_replayable(event_tape.load(settings.replay),
+                                event_tape.settings_record(settings))
   # Before anything touches JAX (reading a checkpoint back does): the device count is fixed then.
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   _use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
@@ -379,14 +382,13 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
       num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
       metrics=metrics, network=network,
       # The robust merge judges outer-gradient norms per unit of the learners' learning rate.
-      inner_learning_rates=np.asarray(inner.make_learning_rate_schedule(
-          settings.inner, settings.num_steps)(np.arange(settings.num_steps))))
+      inner_learning_rates=inner.learning_rates(settings.inner, settings.num_steps))
   made.compile()
   return made
 
 
 # The learners' jitted train steps of this process, by everything their program depends on: a run
-# built again in the same process with the same model, optimizer, number of steps and mesh (a
+# built again in the same process with the same model, optimizer and mesh, whatever its schedule (a
 # resumed or restarted job, a benchmark's arms, the tests) takes the step with its compiled
 # program instead of tracing it and loading it from the compilation cache again. Bounded: each
 # holds its executables.
@@ -407,9 +409,10 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
   state = inner.init_train_state(params, tx, mesh, shardings)
   state_shardings = inner.train_state_shardings(state, mesh, shardings)
   leaves, treedef = jax.tree.flatten(state_shardings)
-  # `tx` is made from settings.inner and num_steps alone (make_inner_optimizer).
-  key = (graphdef, settings.model, settings.inner, settings.num_steps, mesh, treedef,
-         tuple(leaves), settings.donates_state)
+  # `tx` is made from settings.inner and num_steps alone (make_inner_optimizer); its schedule is
+  # an argument of the program, so the program does not depend on it.
+  key = (graphdef, settings.model, tx.program_key, mesh, treedef, tuple(leaves),
+         settings.donates_state)
   with _TRAIN_STEPS_LOCK:
     train_step = _TRAIN_STEPS.pop(key, None)
     if train_step is None:
@@ -418,6 +421,7 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
     _TRAIN_STEPS[key] = train_step  # the newest last; the oldest goes first
     while len(_TRAIN_STEPS) > _MAX_TRAIN_STEPS:
       _TRAIN_STEPS.popitem(last=False)
+  train_step = train_step.with_schedule(tx.schedule_values)
   started = time.perf_counter()
   batch_size = settings.learner_batch_sizes[index]
   _compile(train_step, state, batch_size, settings.data.seq_len)
