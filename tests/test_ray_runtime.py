@@ -58,6 +58,47 @@ def test_learner_processes_train_and_merge(tmp_path):
   assert summary["final_eval_loss"] < 5.0  # bytes start at ln(256) = 5.55 nats
 
 
+def test_a_learner_and_the_syncer_killed_by_hand_are_restarted_and_training_goes_on(tmp_path):
+  """kill -9 of learner 1's process and of the syncer's, at once, mid-run: learner 0 trains on,
+  Ray restarts both processes, learner 1 rejoins from learner 0's state, the syncer is restored,
+  and every step is made and accounted for. (The test below also has config.chaos kill them;
+  slow.)"""
+  run = train.build(_settings(tmp_path, num_steps=48, max_restarts=1,
+                              learner_step_delays_s=(0.4, 0.4)))
+  first_pids = [l.pid for l in run.learners]
+  killed = {}
+
+  def kill_both():
+    deadline = time.monotonic() + 120
+    while run.learners[1].step < 4:
+      if time.monotonic() > deadline:
+        return
+      time.sleep(0.01)
+    killed["step"], killed["syncer_pid"] = run.learners[0].step, run.syncer.pid
+    os.kill(run.learners[1].pid, signal.SIGKILL)
+    os.kill(killed["syncer_pid"], signal.SIGKILL)
+
+  killer = threading.Thread(target=kill_both, daemon=True)
+  killer.start()
+  summary = train.execute(run, progress=False)
+  killer.join()
+  assert killed and killed["step"] < 40  # learner 0 had most of its steps ahead of it
+  assert run.learners[0].pid == first_pids[0] and run.learners[1].pid != first_pids[1]
+  assert [l.incarnation for l in run.learners] == [0, 1]
+  assert summary["learner_errors"] == [None, None]
+  assert summary["learner_steps"] == [48, 48]
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and "its process is gone" in failure["error"]
+  assert failure["state_from"] == "learner 0" and summary["rejoins"] == 1
+  assert summary["syncer_restarts"] == 1 and run.syncer.pid != killed["syncer_pid"]
+  # (The syncer is down for seconds of a short run: a few merges.)
+  assert summary["double_merged_offers"] == 0 and summary["merges"] >= 4
+  accounting = summary["fragment_token_accounting"]
+  assert accounting["made"] == sum(accounting[k] for k in (
+      "merged", "discarded", "lost_at_failures", "unmerged_at_end"))
+
+
+@pytest.mark.slow  # the test above kills a learner and the syncer by hand in the default suite
 def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_on(tmp_path):
   """config.chaos crashes learner 0 at step 8 and the syncer at 5 s (SIGKILLs of their
   processes); once learner 0 is back, learner 1's process is killed by hand (kill -9), and once
