@@ -119,6 +119,18 @@ def _merge_ones_at_step_1(syncer, links, p, running):
   _wait(lambda: syncer.stats.merges == 1)
 
 
+def test_a_merge_is_on_the_tape_before_any_learner_is_sent_its_broadcast(running):
+  """A runtime that copies the tape out of the syncer's process (runtime=ray) sends a merge's
+  broadcasts once the copy holds its record: the record must be on the tape first."""
+  syncer, links = _syncer(num_learners=2)
+  seen = []
+  for link in links:
+    link.deliver = lambda broadcast, link=link: seen.append(
+        (broadcast.version, [r["version"] for r in syncer.tape if r["fragment"] == 1]))
+  _merge_ones_at_step_1(syncer, links, 1, running)  # fragment 1 is due at step 1
+  assert seen == [(1, [1]), (1, [1])]
+
+
 def _fragment_with(syncer, name):
   return next(f.index for f in syncer.model.fragments if name in f.names)
 

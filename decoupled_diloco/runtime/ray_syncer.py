@@ -73,6 +73,63 @@ class _Records:
     return records
 
 
+class _TapeGate:
+  """Holds the syncer's broadcasts until the command holds every merge record before them.
+
+  The command copies the merge tape out of this process by polling it (`RemoteSyncer._watch`);
+  a broadcast sent straight to the learners could otherwise reach them while its merge's record
+  is still only here, and a kill -9 of this process then would leave a merge that the learners
+  hold (and whose tokens their counters dropped) missing from the command's tape and token
+  account. The syncer puts a merge on its tape before it sends the merge's broadcasts; a
+  broadcast waits until a poll's `tape_from` (what the command holds) covers the tape as it was
+  when it was sent. A poll answers at once when there is news, so that is one round trip."""
+
+  def __init__(self, tape_length):
+    self._tape_length = tape_length
+    self._lock = threading.Lock()
+    self._held_by_command = 0
+    self._waiting: list[tuple[int, Any, messages.Broadcast]] = []
+    self._open = False
+
+  def send(self, link, broadcast: messages.Broadcast) -> None:
+    needed = self._tape_length()
+    with self._lock:
+      if not self._open and needed > self._held_by_command:
+        self._waiting.append((needed, link, broadcast))
+        return
+    link.deliver(broadcast)
+
+  def command_holds(self, tape_length: int) -> None:
+    """A poll says the command holds the tape's first `tape_length` records."""
+    with self._lock:
+      self._held_by_command = max(self._held_by_command, tape_length)
+      ready = [w for w in self._waiting if w[0] <= self._held_by_command]
+      self._waiting = [w for w in self._waiting if w[0] > self._held_by_command]
+    for _, link, broadcast in ready:
+      link.deliver(broadcast)
+
+  def open(self) -> None:
+    """Sends everything held, and from now on at once (the command stops polling)."""
+    with self._lock:
+      self._open = True
+      ready, self._waiting = self._waiting, []
+    for _, link, broadcast in ready:
+      link.deliver(broadcast)
+
+
+class _GatedLink:
+  """A learner link whose broadcasts go through the `_TapeGate`."""
+
+  def __init__(self, link, gate: _TapeGate):
+    self._link, self._gate = link, gate
+
+  def deliver(self, broadcast: messages.Broadcast) -> None:
+    self._gate.send(self._link, broadcast)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._link, name)
+
+
 class SyncerProcess:
   """The syncer in its own process (the body of the Ray actor; `RemoteSyncer` drives it)."""
 
@@ -82,6 +139,7 @@ class SyncerProcess:
     self.rejected_calls = 0
     self._records = _Records(settings.tape)
     self.syncer = train.make_local_syncer(settings, metrics=self._records)
+    self._gate = _TapeGate(lambda: len(self.syncer.tape))
 
   def _check(self, mac: str, method: str, learner: int, incarnation: int, detail: str = ""
              ) -> bool:
@@ -112,8 +170,8 @@ class SyncerProcess:
              anchor_versions: np.ndarray | None, mac: str) -> bool:
     if not self._check(mac, "attach", learner, incarnation):
       return False
-    link = ray_runtime.ActorLearnerLink(actor, learner, incarnation, self._secret,
-                                        len(self.syncer.model.fragments))
+    link = _GatedLink(ray_runtime.ActorLearnerLink(actor, learner, incarnation, self._secret,
+                                                   len(self.syncer.model.fragments)), self._gate)
     self.syncer.attach(learner, link, step=step, incarnation=incarnation,
                        anchor_versions=anchor_versions)
     return True
@@ -151,6 +209,7 @@ class SyncerProcess:
   def final(self) -> dict[str, Any]:
     """What the summary reads of a stopped syncer."""
     syncer = self.syncer
+    self._gate.open()  # the command takes the whole tape here and polls no more
     return {"params": syncer.global_params(), "held_bytes": syncer.held_bytes(),
             "steady_state_bytes": syncer.steady_state_bytes(), "stats": syncer.stats,
             "tape": list(syncer.tape)}
@@ -161,6 +220,7 @@ class SyncerProcess:
 
   def poll(self, tape_from: int, timeout_s: float) -> dict[str, Any]:
     """Since the last poll: metrics records, the tape's new entries, the counters, the error."""
+    self._gate.command_holds(tape_from)
     records = self._records.take(timeout_s)
     syncer = self.syncer
     tape = syncer.tape[tape_from:]
