@@ -197,6 +197,7 @@ def test_a_broadcast_waits_until_the_command_holds_its_merge_s_record():
   tape.append({"version": 2})
   link.deliver("merge 2")
   assert delivered[-1] != "merge 2"
+  assert not gate.wait_sent(0.01)  # (the final flush waits so for the command's next poll)
   gate.open()  # the command took the final tape
   link.deliver("merge 3")
   assert delivered[-2:] == ["merge 2", "merge 3"]

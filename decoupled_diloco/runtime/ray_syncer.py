@@ -86,7 +86,7 @@ class _TapeGate:
 
   def __init__(self, tape_length):
     self._tape_length = tape_length
-    self._lock = threading.Lock()
+    self._lock = threading.Condition()
     self._held_by_command = 0
     self._waiting: list[tuple[int, Any, messages.Broadcast]] = []
     self._open = False
@@ -107,6 +107,14 @@ class _TapeGate:
       self._waiting = [w for w in self._waiting if w[0] > self._held_by_command]
     for _, link, broadcast in ready:
       link.deliver(broadcast)
+    with self._lock:
+      self._lock.notify_all()
+
+  def wait_sent(self, timeout_s: float) -> bool:
+    """Waits until no broadcast is held (the command's next poll sends them): the final flush
+    returns once its broadcasts are on their way, as they were before the gate."""
+    with self._lock:
+      return self._lock.wait_for(lambda: not self._waiting, timeout_s)
 
   def open(self) -> None:
     """Sends everything held, and from now on at once (the command stops polling)."""
@@ -186,7 +194,11 @@ class SyncerProcess:
     self.syncer.catch_up()
 
   def flush(self, timeout: float | None) -> bool:
-    return self.syncer.flush(timeout)
+    flushed = self.syncer.flush(timeout)
+    # Its last merges' broadcasts go out at the command's next poll; the command stops the
+    # learners after this returns, so they must be on their way first.
+    self._gate.wait_sent(_CALL_TIMEOUT_S if timeout is None else max(timeout, 1.0))
+    return flushed
 
   def request_cut(self, timeout_s: float, include_tape: bool):
     return self.syncer.request_cut(timeout_s, include_tape).result()
