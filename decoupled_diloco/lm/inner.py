@@ -88,35 +88,29 @@ def make_learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Sch
   )
 
 
+def _warmup_cosine(xp: Any, count: Any, peak: Any, warmup: Any, total: Any, end: Any) -> Any:
+  """optax's linear_schedule from 0 and cosine_decay_schedule, term for term, in `xp` (numpy on
+  the host, jax.numpy inside the step, where the numbers are traced)."""
+  rising = -peak * (1 - xp.clip(count, 0, warmup) / xp.maximum(warmup, 1)) + peak
+  decay = total - warmup
+  cosine = 0.5 * (1 + xp.cos(xp.pi * xp.clip(count - warmup, 0, decay) / decay))
+  alpha = xp.where(peak == 0, 0.0, end / peak)
+  falling = peak * ((1 - alpha) * cosine + alpha)
+  return xp.where(count < warmup, rising, falling)
+
+
 def learning_rates(cfg: InnerConfig, total_steps: int) -> np.ndarray:
   """The rate of each update 0 .. total_steps - 1, on the host (float64): the same curve as
   `make_learning_rate_schedule`, without a device program per schedule."""
   _check_total_steps(cfg, total_steps)
-  count = np.arange(total_steps, dtype=np.float64)
-  peak, warmup = cfg.learning_rate, cfg.warmup_steps
-  rising = -peak * (1 - np.clip(count, 0, warmup) / max(warmup, 1)) + peak
-  decay = total_steps - warmup
-  cosine = 0.5 * (1 + np.cos(np.pi * np.clip(count - warmup, 0, decay) / decay))
-  falling = peak * ((1 - cfg.final_lr_fraction) * cosine + cfg.final_lr_fraction)
-  return np.where(count < warmup, rising, falling)
+  return _warmup_cosine(np, np.arange(total_steps, dtype=np.float64), cfg.learning_rate,
+                        cfg.warmup_steps, total_steps, cfg.learning_rate * cfg.final_lr_fraction)
 
 
 def _traced_schedule(values: jax.Array) -> optax.Schedule:
   """The warmup-cosine of `make_learning_rate_schedule` with its numbers [peak, warmup_steps,
   total_steps, end] read from a traced array: one compiled step serves every such schedule."""
-  peak, warmup, total, end = values[0], values[1], values[2], values[3]
-
-  def schedule(count: jax.Array) -> jax.Array:
-    count = count.astype(jnp.float32)
-    # optax's linear_schedule from 0 and cosine_decay_schedule, term for term.
-    rising = -peak * (1 - jnp.clip(count, 0, warmup) / jnp.maximum(warmup, 1.0)) + peak
-    decay = total - warmup
-    cosine = 0.5 * (1 + jnp.cos(jnp.pi * jnp.clip(count - warmup, 0, decay) / decay))
-    alpha = jnp.where(peak == 0, 0.0, end / peak)
-    falling = peak * ((1 - alpha) * cosine + alpha)
-    return jnp.where(count < warmup, rising, falling)
-
-  return schedule
+  return lambda count: _warmup_cosine(jnp, count.astype(jnp.float32), *values)
 
 
 def _adamw(cfg: InnerConfig, learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
