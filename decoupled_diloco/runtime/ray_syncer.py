@@ -91,13 +91,16 @@ class _TapeGate:
     self._waiting: list[tuple[int, Any, messages.Broadcast]] = []
     self._open = False
 
+  # Sends happen under the lock (a delivery only enqueues an actor call), so a broadcast never
+  # overtakes one held before it.
+
   def send(self, link, broadcast: messages.Broadcast) -> None:
     needed = self._tape_length()
     with self._lock:
       if not self._open and needed > self._held_by_command:
         self._waiting.append((needed, link, broadcast))
-        return
-    link.deliver(broadcast)
+      else:
+        link.deliver(broadcast)
 
   def command_holds(self, tape_length: int) -> None:
     """A poll says the command holds the tape's first `tape_length` records."""
@@ -105,9 +108,8 @@ class _TapeGate:
       self._held_by_command = max(self._held_by_command, tape_length)
       ready = [w for w in self._waiting if w[0] <= self._held_by_command]
       self._waiting = [w for w in self._waiting if w[0] > self._held_by_command]
-    for _, link, broadcast in ready:
-      link.deliver(broadcast)
-    with self._lock:
+      for _, link, broadcast in ready:
+        link.deliver(broadcast)
       self._lock.notify_all()
 
   def wait_sent(self, timeout_s: float) -> bool:
@@ -121,8 +123,9 @@ class _TapeGate:
     with self._lock:
       self._open = True
       ready, self._waiting = self._waiting, []
-    for _, link, broadcast in ready:
-      link.deliver(broadcast)
+      for _, link, broadcast in ready:
+        link.deliver(broadcast)
+      self._lock.notify_all()
 
 
 class _GatedLink:
