@@ -505,13 +505,16 @@ def test_a_deep_stacked_model_builds_about_as_fast_as_a_shallow_one(tmp_path):
 
 def test_delta_broadcast_trains_sends_fewer_bytes_down_and_leaves_every_learner_on_r_p(tmp_path):
   """config.compression.broadcast_delta=int4: merges send Theta_p - R_p in int4 (keyframes to
-  learners that do not hold R_p's version: finished ones in the flush)."""
+  learners that do not hold R_p's version). Finished learners say which versions they hold, so
+  the flush sends them deltas too: measured 3 keyframes in 32 merges and 0.16x the full
+  broadcast's bytes down; 24 and 0.30x when only step reports said it."""
   _, full = _run(tmp_path / "full")
   run, summary = _run(tmp_path / "delta", compression__broadcast_delta="int4")
   assert summary["merges"] > 0 and summary["learner_errors"] == [None] * 4
   # Trained: under the uniform-byte loss ln(256) = 5.55 nats the untrained model starts at.
   assert np.isfinite(summary["final_eval_loss"]) and summary["final_eval_loss"] < 5.0
-  assert summary["bytes_syncer_to_learners"] < 0.5 * full["bytes_syncer_to_learners"]
+  assert summary["bytes_syncer_to_learners"] < 0.25 * full["bytes_syncer_to_learners"]
+  assert run.syncer.stats.keyframes < summary["merges"] / 4
   print("bytes_syncer_to_learners: full", full["bytes_syncer_to_learners"], "int4 delta",
         summary["bytes_syncer_to_learners"], "keyframes", run.syncer.stats.keyframes,
         "merges", summary["merges"], full["merges"], "loss", summary["final_eval_loss"],

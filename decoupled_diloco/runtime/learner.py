@@ -402,18 +402,21 @@ class Learner:
         self._finished = True
         self._publish(self._state)
         if self._syncer is not None:
-          self._syncer.post(messages.TrainingDone(self.index, self.step, self.incarnation))
+          self._syncer.post(self._training_done())
       self.finished_training.set()
       said_done_at = time.monotonic()
       while not self._release.is_set():
         # After the last step the learner still serves offers and takes merges (the final flush).
+        held = self._anchor_versions.copy()
         self._serve(timeout=0.02)
-        if (self._syncer is not None and self._finished
-            and time.monotonic() - said_done_at >= _DONE_REPEAT_S):
+        if self._syncer is not None and self._finished and (
+            time.monotonic() - said_done_at >= _DONE_REPEAT_S
+            or not np.array_equal(held, self._anchor_versions)):
           # Its heartbeat while it has no step to report: a TrainingDone lost on the way (a
-          # partition) would leave the syncer's flush waiting for steps that never come.
+          # partition) would leave the syncer's flush waiting for steps that never come. And its
+          # report of the merges it applied, as a step report would say them.
           said_done_at = time.monotonic()
-          self._syncer.post(messages.TrainingDone(self.index, self.step, self.incarnation))
+          self._syncer.post(self._training_done())
       self._serve(timeout=0.0)
     except BaseException as err:  # pylint: disable=broad-except
       # A failed learner just stops contributing (spec §6): report it, never raise into others.
@@ -427,6 +430,10 @@ class Learner:
       self.finished_training.set()
       if self._syncer is not None:
         self._syncer.post(messages.LearnerExit(self.index, self.step, error, self.incarnation))
+
+  def _training_done(self) -> messages.TrainingDone:
+    return messages.TrainingDone(self.index, self.step, self.incarnation,
+                                 anchor_versions=self._anchor_versions.copy())
 
   def _train(self) -> None:
     opts = self._options

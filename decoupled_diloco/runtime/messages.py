@@ -44,11 +44,16 @@ class StepReport:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingDone:
-  """A learner made its last step; it keeps serving offers and taking merges (the final flush)."""
+  """A learner made its last step; it keeps serving offers and taking merges (the final flush).
+
+  Said again after each merge it applies since (and once a second): `anchor_versions` are the
+  versions of Theta it holds then, as a step report's, so the delta broadcast keeps sending it
+  deltas, not keyframes."""
 
   learner: int
   step: int
   incarnation: int = 0
+  anchor_versions: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

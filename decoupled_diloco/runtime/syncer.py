@@ -25,7 +25,8 @@ Delta broadcast (config.compression.broadcast_delta, `GlobalModel`): a merge sen
 Theta_p from R_p, the value the learners hold, to each learner whose last report says it holds R_p's
 version, and a keyframe (R_p in full) to every other one: one whose broadcast was lost, one that
 rejoined or was taken back since (those got keyframes then, too), or one whose report has not
-caught up (a finished learner no longer reports: it gets keyframes). A report never names a version
+caught up. A finished learner says which versions it holds in its TrainingDone, again after each
+merge it applies, so it too gets deltas. A report never names a version
 newer than the learner holds, and every way a learner comes to hold a version gives it R_p of that
 version bit for bit, so no learner ever reconstructs a wrong Theta_p; a restarted syncer, which did
 not keep R_p, sends keyframes only, until each fragment's next merge.
@@ -507,6 +508,8 @@ class Syncer:
       self._accept_pushed(message)
     elif isinstance(message, messages.TrainingDone):
       self._learner_steps[message.learner] = message.step
+      if message.anchor_versions is not None:
+        self._reported_anchors[message.learner] = message.anchor_versions
       self._advance_clock()
       self._training.discard(message.learner)
       self._advance_clock()
