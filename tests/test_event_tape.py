@@ -158,21 +158,27 @@ def test_a_replay_on_other_batches_stops_naming_the_learner_and_its_steps(record
     _replay(tmp_path / "replay", str(forged))
 
 
-@pytest.mark.parametrize("schedule,absences,rejoins", [
+@pytest.mark.parametrize("schedule,absences,rejoins,delta", [
     # The syncer marks the hung learner absent; back, it is sent the newest merges.
-    ("hang@learner=2,step=6,seconds=1.5", 1, 0),
+    ("hang@learner=2,step=6,seconds=1.5", 1, 0, False),
     # Nothing reaches or leaves learner 1 for 1.5 s (merges and pulls lost); learner 3 crashes.
-    ("partition@learner=1,step=6,seconds=1.5;crash@learner=3,step=12,down_s=0.3", 1, 1),
+    # Theta goes out as int4 deltas against R_p: the lost broadcasts and the rejoin make the
+    # syncer send keyframes to some learners and deltas to others, all on the tape.
+    ("partition@learner=1,step=6,seconds=1.5;crash@learner=3,step=12,down_s=0.3", 1, 1, True),
     # Learner 2's state holds NaNs after its step 9: offered, rejected, and it fails and rejoins.
-    ("nan@learner=2,step=8", 0, 1),
+    ("nan@learner=2,step=8", 0, 1, False),
 ])
 def test_hung_partitioned_crashed_and_nan_learners_replay_bit_for_bit(tmp_path, schedule, absences,
-                                                                      rejoins):
+                                                                      rejoins, delta):
   recorded = dict(sync__quorum=1, learner_step_delays_s=(0.02,) * 4, num_steps=24,
                   sync__heartbeat_timeout_s=0.5)
+  if delta:
+    recorded["compression__broadcast_delta"] = "int4"
   summary = train.execute(train.build(tiny_settings(
       tmp_path / "a", chaos__schedule=schedule, **recorded)), progress=False)
   assert summary["heartbeat_absences"] >= absences and summary["rejoins"] == rejoins
+  if delta:  # both kinds went out
+    assert 0 < summary["broadcast_keyframes"] < summary["merges"] * 4, summary
   replayed = train.replay(train.build(tiny_settings(
       tmp_path / "b", replay=str(tmp_path / "a"), **recorded)), progress=False)
   assert replayed["params_equal_to_recording"] and replayed["replay_exact"]

@@ -1091,6 +1091,8 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "bytes_learner_to_syncer": stats.bytes_up,
       "bytes_syncer_to_learners": stats.bytes_down,
       "bytes_syncer_allreduce": stats.bytes_allreduce,
+      # compression.broadcast_delta: broadcasts that went out whole (Theta_p, not a delta).
+      "broadcast_keyframes": stats.keyframes,
       "wall_seconds": wall_seconds,
       "train_seconds": train_seconds,
       "build_seconds": run.build_seconds,
