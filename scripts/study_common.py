@@ -12,7 +12,9 @@ Seeds go round the arms (seed 0 of every arm, then seed 1 of every arm, ...), so
 machine's load during a study falls on every arm alike.
 
 STUDY_READ_ONLY=1 makes the tables and figures again from the runs made, and fails rather than
-train. The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
+train. `--previous=results/study_<name>.json` reads the runs an earlier results file recorded
+(arm and seed alike) back from it instead of running them, for a study whose workdirs are gone:
+adding a seed or an arm runs only those. The report lists what was read back and when it was made. The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
 says which and prints its table.
 """
 
@@ -37,6 +39,32 @@ DEFAULT_CONFIG = ROOT / "experiments" / "tiny_cpu.py"
 # compilation cache (the arms' programs are compiled once per shape, not once per run).
 QUIET = {"checkpoint.every_steps": 0, "checkpoint.syncer_every_s": 0.0, "restore": "none",
          "tape": False, "compilation_cache_dir": "/tmp/study_jax_cache"}
+# The training settings every study was made with: tiny_cpu's defaults until study 7
+# (study_quality) moved tiny_cpu's inner learning rate and outer momentum to what it found. Set
+# on every run (an arm's own value wins), so the studies' commands make the published figures
+# whatever tiny_cpu's defaults are now.
+STUDY_SETTINGS = {"inner.learning_rate": 3e-3, "outer.momentum": 0.6}
+
+
+# The runs an earlier results file recorded (--previous): {arm: {seed: figures}}, and the
+# (arm, seed, date) of each one a study read back from it, for its report.
+_PREVIOUS_RUNS: dict[str, dict[int, dict[str, Any]]] = {}
+_READ_BACK: list[dict[str, Any]] = []
+_PREVIOUS_DATES: dict[tuple[str, int], str] = {}
+_LOADED: dict[str, dict[str, Any]] = {}
+
+
+def read_previous(path: str) -> dict[str, Any]:
+  """Loads an earlier results file for run_study to read its runs back from (its `runs`,
+  `calibration` and `confirm_runs`); returns the whole report."""
+  report = json.loads(pathlib.Path(path).read_text())
+  dates = {(r["arm"], r["seed"]): r["date"] for r in report.get("read_back", [])}
+  for key in ("runs", "calibration", "confirm_runs"):
+    for arm, by_seed in report.get(key, {}).items():
+      for seed, figures in by_seed.items():
+        _PREVIOUS_RUNS.setdefault(arm, {})[int(seed)] = figures
+        _PREVIOUS_DATES[(arm, int(seed))] = dates.get((arm, int(seed)), report.get("date"))
+  return report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +89,7 @@ def run_one(workdir: pathlib.Path, overrides: Mapping[str, Any], *, fresh: bool,
             config: pathlib.Path = DEFAULT_CONFIG) -> dict[str, Any]:
   """Runs one training command in `workdir` (or reads back its summary): the summary, with the
   command and the merge records of metrics.jsonl (`merges`)."""
-  overrides = {**QUIET, **overrides, "workdir": str(workdir)}
+  overrides = {**QUIET, **STUDY_SETTINGS, **overrides, "workdir": str(workdir)}
   cmd = command(overrides, config)
   if not (workdir / "summary.json").exists():
     _adopt(workdir, cmd)
@@ -127,6 +155,7 @@ def run_study(name: str, arms: Sequence[Arm], seeds: Sequence[int], *,
   of the same field wins. `figures` picks what the study reports from one run.
   """
   del name  # the workdirs are named by their overrides, whichever study asks
+  previous_report()  # --previous: its runs are read back below
   root = pathlib.Path(os.environ.get("STUDY_ROOT", "/tmp/studies"))
   results: dict[str, dict[int, dict[str, Any]]] = {arm.name: {} for arm in arms}
   total = len(arms) * len(seeds)
@@ -139,8 +168,13 @@ def run_study(name: str, arms: Sequence[Arm], seeds: Sequence[int], *,
       key = json.dumps([str(where), sorted((k, _flag_value(v)) for k, v in overrides.items())])
       workdir = root / hashlib.sha1(key.encode()).hexdigest()[:12]
       t0 = time.perf_counter()
-      summary = run_one(workdir, overrides, fresh=fresh, config=config)
-      results[arm.name][seed] = figures(workdir, summary)
+      if seed in _PREVIOUS_RUNS.get(arm.name, {}) and not fresh:
+        results[arm.name][seed] = _PREVIOUS_RUNS[arm.name][seed]
+        _READ_BACK.append({"arm": arm.name, "seed": seed,
+                           "date": _PREVIOUS_DATES[(arm.name, seed)]})
+      else:
+        summary = run_one(workdir, overrides, fresh=fresh, config=config)
+        results[arm.name][seed] = figures(workdir, summary)
       n = i * len(arms) + j + 1
       shown = ", ".join(f"{k} {_short(v)}" for k, v in results[arm.name][seed].items()
                         if isinstance(v, (int, float)))
@@ -191,6 +225,11 @@ def write(name: str, report: dict[str, Any], markdown: str, out_dir: pathlib.Pat
   stem = out_dir / f"study_{name}"
   report = {**report, "machine": f"{os.cpu_count()} CPU cores",
             "date": time.strftime("%Y-%m-%d")}
+  if _READ_BACK:
+    report["read_back"] = list(_READ_BACK)
+    markdown = markdown.rstrip() + "\n\nRead back from an earlier results file (`--previous`), " \
+        "not run again: " + "; ".join(f"{r['arm']} seed {r['seed']} ({r['date']})"
+                                      for r in _READ_BACK) + ".\n"
   stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
   stem.with_suffix(".md").write_text(markdown.rstrip() + "\n")
   print(f"wrote {stem}.json, {stem}.md", flush=True)
@@ -204,7 +243,21 @@ def study_flags(num_steps: int = 200, seeds_help: str = "Seeds of every arm."):
       "num_steps", num_steps, "Inner steps of every learner, every arm.")
   seeds = flags.DEFINE_list("seeds", ["0", "1"], seeds_help)
   fresh = flags.DEFINE_bool("fresh", False, "Run every arm again, even if its summary exists.")
+  flags.DEFINE_string("previous", "", "An earlier results/study_<name>.json whose runs are read "
+                      "back from it, not run again.")
   return steps, seeds, fresh
+
+
+def previous_report() -> dict[str, Any] | None:
+  """The report of --previous, loaded once for run_study to read its runs back from (None
+  without the flag, or before the flags are parsed)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if "previous" not in flags.FLAGS or not flags.FLAGS.is_parsed() or not flags.FLAGS.previous:
+    return None
+  path = flags.FLAGS.previous
+  if path not in _LOADED:
+    _LOADED[path] = read_previous(path)
+  return _LOADED[path]
 
 
 def pyplot():

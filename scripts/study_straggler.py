@@ -8,9 +8,9 @@ devices with batch 64 and sleeps one dp step more per step (its slowest host set
 run evaluates the global model every `eval_every` steps of its fastest learner; the time to a loss
 is read off those evaluations (linear between two, `at_s`: seconds since training started). The
 target is the lowest loss that every run, with and without the straggler, reaches at an
-evaluation during training (evaluations follow the fastest learner's clock, which stops when it
-finishes: a decoupled run with a straggler is then not evaluated again until its end). Step times are measured by a
-calibration run of each mode without a straggler (the first seed's), recorded in the results.
+evaluation during training (evaluations follow the fastest learner's clock and, once it has
+finished, the slowest learner still training). Step times are measured by a calibration run of
+each mode without a straggler (the first seed's), recorded in the results.
 
   python scripts/study_straggler.py                 # ~25 min on 2 cores
 """
@@ -73,9 +73,8 @@ def main(argv):
                                             "wall_seconds": s["wall_seconds"],
                                             "train_seconds": s["train_seconds"],
                                             "curve": sc.eval_curve(s)})
-  # The loss every run (calibrations too) reaches at an evaluation during training: a decoupled
-  # run's fastest learners finish first, and its clock (and evaluations) stop with them until the
-  # straggler's end, so a later target would be read across that gap.
+  # The loss every run (calibrations too) reaches at an evaluation during training (the final
+  # evaluation left out: it follows the flush, not a step).
   target = max(min(loss for _, loss, _ in r["curve"][:-1])
                for results in (runs, calib) for by_seed in results.values()
                for r in by_seed.values())

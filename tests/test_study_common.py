@@ -32,7 +32,7 @@ def test_a_run_made_from_another_checkout_is_adopted_not_trained_again(sc, tmp_p
   arm = sc.Arm("M=2", {"num_learners": 2})
   # The same command, made from a checkout at /elsewhere with another python, in a workdir of
   # another name.
-  cmd = sc.command({**sc.QUIET, "num_learners": 2, "num_steps": 5, "seed": 0,
+  cmd = sc.command({**sc.QUIET, **sc.STUDY_SETTINGS, "num_learners": 2, "num_steps": 5, "seed": 0,
                     "workdir": "/somewhere/else"})
   cmd = ["/elsewhere/.venv/bin/python"] + [
       "--config=/elsewhere/experiments/tiny_cpu.py" if a.startswith("--config=") else a
@@ -47,6 +47,31 @@ def test_a_run_made_from_another_checkout_is_adopted_not_trained_again(sc, tmp_p
   with pytest.raises(RuntimeError, match="STUDY_READ_ONLY: no finished run"):
     sc.run_study("x", [arm], [1], base={"num_steps": 5}, fresh=False,
                  figures=lambda workdir, summary: {})
+
+
+def test_runs_of_an_earlier_results_file_are_read_back_and_reported(sc, tmp_path, monkeypatch):
+  monkeypatch.setenv("STUDY_ROOT", str(tmp_path / "runs"))
+  monkeypatch.setenv("STUDY_READ_ONLY", "1")  # a run it had to make would fail the test
+  earlier = tmp_path / "study_x.json"
+  earlier.write_text(json.dumps({
+      "date": "2026-11-20", "runs": {"M=2": {"0": {"loss": 2.5}}},
+      "calibration": {"M=2 calibration": {"0": {"step_s": 0.3}}},
+      # a run the earlier file had itself read back keeps the date it was made
+      "confirm_runs": {"M=4": {"0": {"loss": 2.4}}},
+      "read_back": [{"arm": "M=4", "seed": 0, "date": "2026-11-10"}]}))
+  sc.read_previous(str(earlier))
+  arms = [sc.Arm("M=2", {"num_learners": 2}), sc.Arm("M=4", {"num_learners": 4})]
+  results = sc.run_study("x", arms, [0], base={"num_steps": 5}, fresh=False,
+                         figures=lambda workdir, summary: {})
+  assert results == {"M=2": {0: {"loss": 2.5}}, "M=4": {0: {"loss": 2.4}}}
+  with pytest.raises(RuntimeError, match="STUDY_READ_ONLY: no finished run"):  # a new seed runs
+    sc.run_study("x", arms[:1], [1], base={"num_steps": 5}, fresh=False,
+                 figures=lambda workdir, summary: {})
+  stem = sc.write("x", {"runs": results}, "# x", out_dir=tmp_path / "out")
+  report = json.loads(stem.with_suffix(".json").read_text())
+  assert report["read_back"] == [{"arm": "M=2", "seed": 0, "date": "2026-11-20"},
+                                 {"arm": "M=4", "seed": 0, "date": "2026-11-10"}]
+  assert "M=2 seed 0 (2026-11-20); M=4 seed 0 (2026-11-10)" in stem.with_suffix(".md").read_text()
 
 
 def test_spreads_paired_gaps_and_error_bars(sc):
