@@ -231,6 +231,8 @@ def main():
   size, steps = SIZES[size_name], args.steps or DEFAULT_STEPS[size_name]
   common = {**size, "num_steps": steps, "eval_every": 0, "eval_batches": 2, "log_every": 25,
             "inner.warmup_steps": min(40, steps // 4), "num_learners": 1,
+            # Issue 15's settings (tiny_cpu's before study 7 raised them for its 0.28M model).
+            "inner.learning_rate": 3e-3, "outer.momentum": 0.6,
             "learner_mesh_shapes": "((1,1),)", "devices.platform": platform,
             "devices.num_fake_cpu_devices": 2 if platform == "cpu" else 0}
   if args.attention:
