@@ -638,6 +638,29 @@ def test_a_restarted_syncer_never_merges_an_offer_anchored_before_the_theta_it_t
     np.testing.assert_array_equal(syncer.global_params()[name], 1.0)
 
 
+def test_a_restarted_syncer_marks_the_merges_its_predecessor_took_down_with_it_lost():
+  """The lost syncer put version 1 of fragments p and q on its tape; learner 0 applied q's, but
+  the process died before p's broadcasts left (runtime/ray_syncer.py sends them once the
+  command's copy of the tape has the record). The restarted syncer holds p at version 0: p's
+  record is marked lost, so the tape's audits and token account leave it out (a Ray run's
+  hand-kill test once counted it a double merge when the same steps were merged again)."""
+  syncer, _ = _syncer(quorum=1)
+  p, q = 1, 0
+  versions = np.zeros(len(syncer.model.fragments), np.int64)
+  versions[q] = 1
+  zeros = np.zeros(len(versions), np.int64)
+  anchors = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
+  held_by_0 = messages.Publication(step=3, params={}, since=zeros + 2, counter_steps=zeros + 1,
+                                   counter_tokens=zeros + 100, anchor_versions=versions,
+                                   anchors=anchors, training=True)
+  tape = [{"fragment": f, "version": 1, "learners": [0], "since_steps": [0],
+           "learner_steps": [2], "tokens": [100]} for f in (q, p)]
+  info = syncer.recover(None, {0: held_by_0}, stats=syncer.stats, tape=tape)
+  assert info["lost_merges"] == 1 and info["versions"][p] == 0 and info["versions"][q] == 1
+  assert [r.get("lost", False) for r in syncer.tape] == [False, True]
+  assert tape_lib.installed(syncer.tape) == [tape[0]]
+
+
 def test_a_learner_that_stops_reporting_is_absent_after_the_timeout_and_back_when_it_reports(
     running, tmp_path):
   """Heartbeats (issue 9): with K = 2 of 2, a silent learner holds a round only until its

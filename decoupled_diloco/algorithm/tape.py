@@ -29,6 +29,24 @@ def _offers(record: Mapping[str, Any]) -> Iterable[tuple[tuple[int, int], int, i
              record["learner_steps"])
 
 
+def lost_merges(tape: Sequence[Mapping[str, Any]], versions: Sequence[int]) -> list[int]:
+  """Indices of the merges a restarted syncer does not hold: of a fragment p, a version newer
+  than the `versions[p]` it restored (from its checkpoint, or the newest a live learner holds).
+
+  A syncer process killed after a merge went on its tape and before its broadcasts left
+  (runtime/ray_syncer.py holds them until the command's copy of the tape has the record) took
+  that merge down with it: no learner applied it, no checkpoint holds it, and the steps it took
+  in are offered again. Records already marked lost are not counted again.
+  """
+  return [i for i, record in enumerate(tape)
+          if not record.get("lost") and record["version"] > versions[record["fragment"]]]
+
+
+def installed(tape: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+  """The merges of the tape that Theta kept: all but those a syncer crash lost (`lost`)."""
+  return [record for record in tape if not record.get("lost")]
+
+
 def double_merged_offers(tape: Sequence[Mapping[str, Any]]) -> int:
   """Offers that carried steps an earlier merge of the same fragment had already taken in.
 
@@ -37,7 +55,7 @@ def double_merged_offers(tape: Sequence[Mapping[str, Any]]) -> int:
   """
   merged_through: dict[tuple[int, int], int] = {}
   doubles = 0
-  for record in tape:
+  for record in installed(tape):
     p = record["fragment"]
     for learner, since, step in _offers(record):
       key = (learner, p)
@@ -61,7 +79,7 @@ def unmerged_steps_at_end(tape: Sequence[Mapping[str, Any]], final_steps: Sequen
   incarnations = incarnations or [0] * len(final_steps)
   start_steps = start_steps or [0] * len(final_steps)
   last: dict[tuple[tuple[int, int], int], int] = {}
-  for record in tape:
+  for record in installed(tape):
     for key, _, step in _offers(record):
       last[key, record["fragment"]] = max(last.get((key, record["fragment"]), 0), step)
   return [max((final - max(start, last.get(((m, inc), p), 0)) for p in range(num_fragments)),
@@ -78,7 +96,7 @@ def merged_after_failure(tape: Sequence[Mapping[str, Any]], learner: int, incarn
   it never applied. Those tokens reached Theta; the rest of its counters were lost with it.
   """
   tokens = 0
-  for record in tape:
+  for record in installed(tape):
     if record["version"] <= anchor_versions[record["fragment"]]:
       continue
     for key, offered in zip(_offers(record), record["tokens"]):

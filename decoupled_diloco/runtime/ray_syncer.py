@@ -36,6 +36,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import ray_runtime
@@ -335,7 +336,11 @@ class RemoteSyncer:
 
   def recover(self, state, publications, *, stats, tape) -> dict[str, Any]:
     self.stats, self.tape = stats, list(tape)
-    return self.get("recover", state, publications, stats, tape)
+    info = self.get("recover", state, publications, stats, tape)
+    # The process marked its copy of the tape; the command's copy alike.
+    for i in tape_lib.lost_merges(self.tape, info["versions"]):
+      self.tape[i]["lost"] = True
+    return info
 
   def global_params(self) -> dict[str, np.ndarray]:
     if self._final is not None:

@@ -338,8 +338,9 @@ class Syncer:
               tape: list[dict[str, Any]]) -> dict[str, Any]:
     """A restarted syncer, before it starts: its predecessor's newest checkpointed state (None:
     none, the initial one), then for every fragment the newest Theta_p a live learner holds as its
-    anchor if that is newer (every merge the predecessor installed was sent to every live learner,
-    so the newest anchors hold them all). Only the outer state since the checkpoint is lost.
+    anchor if that is newer (every merge the predecessor installed and sent reached every live
+    learner, so the newest anchors hold them all; one it put on the tape and died before sending
+    is marked `lost` there). Only the outer state since the checkpoint is lost.
     `stats` and `tape`, the record of what happened, carry over. Returns what was restored."""
     if state is not None:
       self.load_state(state, with_history=False)
@@ -351,13 +352,18 @@ class Syncer:
       if newest is not None and self.model.take_newer(
           p, int(newest.anchor_versions[p]), {n: newest.anchors[n] for n in fragment.names}):
         from_learners.append(p)
+    # Merges the predecessor put on the tape but took down with it (killed before their
+    # broadcasts left): the audits and the token account leave them out.
+    lost = tape_lib.lost_merges(self.tape, self.model.versions)
+    for i in lost:
+      self.tape[i]["lost"] = True
     self._min_anchor = np.asarray(self.model.versions, np.int64)
     # Delta broadcast: R_p was not checkpointed, and the learners' anchors may differ from the
     # Theta_p just restored; each fragment's next merge sends its full value.
     self.model.require_keyframes()
     self._lead = None  # the clock goes on from the learners' next reports, without a burst
     return {"checkpoint_versions": restored_versions, "versions": list(self.model.versions),
-            "fragments_from_learners": from_learners}
+            "fragments_from_learners": from_learners, "lost_merges": len(lost)}
 
   def catch_up(self) -> None:
     """Opens a round for every fragment (after a restart: none was merged while it was down)."""

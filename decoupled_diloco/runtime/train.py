@@ -1222,7 +1222,7 @@ def _fault_summary(run: Run, tape, incarnations, steps_made,
   # made = merged + discarded + lost + unmerged, per fragment, summed (tests check the equality).
   accounting = {
       "made": int(np.dot(steps_made, tokens_per_step) * num_fragments),
-      "merged": int(sum(sum(r["tokens"]) for r in tape)),
+      "merged": int(sum(sum(r["tokens"]) for r in tape_lib.installed(tape))),
       "discarded": int(sum(history["discarded_fragment_tokens"]) +
                        sum(l.discarded_fragment_tokens for l in incarnations)),
       "lost_at_failures": int(lost),
