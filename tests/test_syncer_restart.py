@@ -1,6 +1,9 @@
 """A syncer crash: the learners train on, a new syncer restores its checkpoint and the newest
 Theta_p the learners hold, and the run finishes with nothing merged twice or lost uncounted."""
 
+import concurrent.futures
+import json
+
 import numpy as np
 
 from decoupled_diloco.runtime import syncer as syncer_lib
@@ -60,3 +63,28 @@ def test_a_syncer_crash_with_no_checkpoint_takes_every_fragment_from_the_learner
   tokens = summary["fragment_token_accounting"]
   assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
                             + tokens["unmerged_at_end"])
+
+
+def test_a_checkpoint_cut_asked_of_a_syncer_that_then_crashed_is_asked_of_its_successor(
+    tmp_path, monkeypatch):
+  """A cut asked just before the syncer crashed is never answered (the crashed syncer's inbox is
+  not served again): the checkpointer asks the new syncer instead of waiting out
+  stall_timeout_s for it (a CI run of test_event_tape hung in the final save_now)."""
+  request_cut, unanswered = syncer_lib.Syncer.request_cut, []
+
+  def first_unanswered(self, timeout_s, include_tape=True):
+    if not unanswered:  # as if the crash came before the syncer's thread read the request
+      unanswered.append(concurrent.futures.Future())
+      return unanswered[0]
+    return request_cut(self, timeout_s, include_tape)
+
+  monkeypatch.setattr(syncer_lib.Syncer, "request_cut", first_unanswered)
+  run = _run(tmp_path, "syncer_crash@second=1,down_s=0.2", num_steps=24,
+             learner_step_delays_s=(0.1,) * 4, checkpoint__every_steps=4,
+             checkpoint__syncer_every_s=0.0, stall_timeout_s=30.0)
+  summary = train.execute(run, progress=False)
+  assert summary["syncer_restarts"] == 1 and len(unanswered) == 1
+  assert not unanswered[0].done()  # never answered, and not waited for
+  clocks = [json.loads(line)["clock"] for line in open(tmp_path / "metrics.jsonl")
+            if '"kind": "checkpoint"' in line]
+  assert clocks[-1] == 24 and len(clocks) >= 2, clocks  # cuts after the crash, and the final one

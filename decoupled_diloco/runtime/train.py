@@ -683,6 +683,8 @@ class _Checkpointer:
     clock = max((l.step for l in run.learners), default=0)
     self._next = (clock // every + 1) * every if every else None
     self._pending: concurrent.futures.Future | None = None  # a cut asked for, not yet taken
+    self._pending_due = 0  # the clock it was due at
+    self._asked: Any = None  # the syncer it was asked of
 
   def tick(self, clock: int) -> None:
     """From the controller's loop: asks for a cut when one is due, writes it when it comes."""
@@ -695,6 +697,8 @@ class _Checkpointer:
       if future.done():
         self._pending = None
         self._write(future.result())
+      elif self._orphaned():
+        self._next = self._pending_due  # asked again once the new syncer is up
       return
     if clock < self._next or clock >= run.settings.num_steps:
       return  # the final checkpoint is taken after the flush
@@ -705,14 +709,24 @@ class _Checkpointer:
     if run.keeper is not None and run.keeper.down:
       return  # and until the syncer is
     due, self._next = self._next, self._next + run.settings.checkpoint.every_steps
-    self._pending = self._ask(timeout_s=self._cut_timeout(), min_step=due)
+    self._pending, self._pending_due = self._ask(timeout_s=self._cut_timeout(), min_step=due), due
+
+  def _orphaned(self) -> bool:
+    """Whether the pending cut was asked of a syncer that crashed since (asked just before its
+    crash, it is never answered): it is dropped, and asked again of the new one."""
+    if self._asked is self._run.syncer:
+      return False
+    logging.warning("the checkpoint cut due at step %d was asked of the syncer that crashed; "
+                    "asking its successor", self._pending_due)
+    self._pending = None
+    return True
 
   def save_now(self, timeout_s: float, train_seconds: float) -> str | None:
     """Takes a cut now and starts writing it; returns its path (None: no checkpoint)."""
     run = self._run
     if run.checkpoints is None:
       return None
-    if self._pending is not None:
+    if self._pending is not None and not self._orphaned():
       self._pending.result(timeout=timeout_s)  # superseded below
       self._pending = None
     cut = self._ask(timeout_s=timeout_s).result(timeout=timeout_s + 5)
@@ -726,6 +740,7 @@ class _Checkpointer:
     """A cut, as a future; dp mode: of step `min_step` or later (the clock it was due at; a
     learner's publication runs one step behind its clock)."""
     run = self._run
+    self._asked = run.syncer
     if run.syncer is not None:
       return run.syncer.request_cut(timeout_s)
     future: concurrent.futures.Future = concurrent.futures.Future()
