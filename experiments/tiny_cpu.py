@@ -156,12 +156,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Robust merge (algorithm/robust.py): the syncer rejects an outer gradient that is not finite, or
   # whose norm per unit of inner learning rate exceeds this many times the median of the last 32
   # such norms it accepted for that fragment (no outlier test until 4 were accepted; a window that
-  # two learners outgrow together starts again). Not published. In this run (2026-11-25, inner
-  # rate 2e-2) no accepted norm exceeded 1.18x its fragment's window median up to merge 100 and
+  # two learners outgrow together starts again). Not published. In the default run (2026-11-25,
+  # inner rate 2e-2) no accepted norm exceeded 1.18x its fragment's window median up to merge 100 and
   # 2.0x after (1.26x / 1.74x at the old 3e-3), and no offer was rejected (judged per step rather
   # than per unit of rate: 24 rejected in the warmup, 11-190x). 10 rejects an update that blew up
-  # by an order of magnitude. 0 = no outlier test; a non-finite outer
-  # gradient is rejected whatever the value.
+  # by an order of magnitude. 0 = no outlier test; a non-finite outer gradient is rejected
+  # whatever the value.
   config.merge.max_norm_ratio = 10.0
 
   config.outer = ml_collections.ConfigDict()

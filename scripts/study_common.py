@@ -14,7 +14,8 @@ machine's load during a study falls on every arm alike.
 STUDY_READ_ONLY=1 makes the tables and figures again from the runs made, and fails rather than
 train. `--previous=results/study_<name>.json` reads the runs an earlier results file recorded
 (arm and seed alike) back from it instead of running them, for a study whose workdirs are gone:
-adding a seed or an arm runs only those. The report lists what was read back and when it was made. The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
+adding a seed or an arm runs only those. The report lists what was read back and when it was made.
+The figures of a study come from the runs' `summary.json`s and `metrics.jsonl`s; each study script
 says which and prints its table.
 """
 
@@ -46,11 +47,10 @@ QUIET = {"checkpoint.every_steps": 0, "checkpoint.syncer_every_s": 0.0, "restore
 STUDY_SETTINGS = {"inner.learning_rate": 3e-3, "outer.momentum": 0.6}
 
 
-# The runs an earlier results file recorded (--previous): {arm: {seed: figures}}, and the
-# (arm, seed, date) of each one a study read back from it, for its report.
-_PREVIOUS_RUNS: dict[str, dict[int, dict[str, Any]]] = {}
+# The runs an earlier results file recorded (--previous): {arm: {seed: (figures, date made)}},
+# and the (arm, seed, date) of each one a study read back from it, for its report.
+_PREVIOUS_RUNS: dict[str, dict[int, tuple[dict[str, Any], str]]] = {}
 _READ_BACK: list[dict[str, Any]] = []
-_PREVIOUS_DATES: dict[tuple[str, int], str] = {}
 _LOADED: dict[str, dict[str, Any]] = {}
 
 
@@ -62,8 +62,8 @@ def read_previous(path: str) -> dict[str, Any]:
   for key in ("runs", "calibration", "confirm_runs"):
     for arm, by_seed in report.get(key, {}).items():
       for seed, figures in by_seed.items():
-        _PREVIOUS_RUNS.setdefault(arm, {})[int(seed)] = figures
-        _PREVIOUS_DATES[(arm, int(seed))] = dates.get((arm, int(seed)), report.get("date"))
+        made = dates.get((arm, int(seed)), report.get("date"))
+        _PREVIOUS_RUNS.setdefault(arm, {})[int(seed)] = (figures, made)
   return report
 
 
@@ -169,9 +169,8 @@ def run_study(name: str, arms: Sequence[Arm], seeds: Sequence[int], *,
       workdir = root / hashlib.sha1(key.encode()).hexdigest()[:12]
       t0 = time.perf_counter()
       if seed in _PREVIOUS_RUNS.get(arm.name, {}) and not fresh:
-        results[arm.name][seed] = _PREVIOUS_RUNS[arm.name][seed]
-        _READ_BACK.append({"arm": arm.name, "seed": seed,
-                           "date": _PREVIOUS_DATES[(arm.name, seed)]})
+        results[arm.name][seed], made = _PREVIOUS_RUNS[arm.name][seed]
+        _READ_BACK.append({"arm": arm.name, "seed": seed, "date": made})
       else:
         summary = run_one(workdir, overrides, fresh=fresh, config=config)
         results[arm.name][seed] = figures(workdir, summary)

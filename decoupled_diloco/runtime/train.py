@@ -697,7 +697,7 @@ class _Checkpointer:
       if future.done():
         self._pending = None
         self._write(future.result())
-      elif self._orphaned():
+      elif self._drop_orphan():
         self._next = self._pending_due  # asked again once the new syncer is up
       return
     if clock < self._next or clock >= run.settings.num_steps:
@@ -711,9 +711,9 @@ class _Checkpointer:
     due, self._next = self._next, self._next + run.settings.checkpoint.every_steps
     self._pending, self._pending_due = self._ask(timeout_s=self._cut_timeout(), min_step=due), due
 
-  def _orphaned(self) -> bool:
-    """Whether the pending cut was asked of a syncer that crashed since (asked just before its
-    crash, it is never answered): it is dropped, and asked again of the new one."""
+  def _drop_orphan(self) -> bool:
+    """Drops the pending cut if it was asked of a syncer that crashed since (asked just before
+    its crash, it is never answered), so that the new one is asked; returns whether it did."""
     if self._asked is self._run.syncer:
       return False
     logging.warning("the checkpoint cut due at step %d was asked of the syncer that crashed; "
@@ -726,7 +726,7 @@ class _Checkpointer:
     run = self._run
     if run.checkpoints is None:
       return None
-    if self._pending is not None and not self._orphaned():
+    if self._pending is not None and not self._drop_orphan():
       self._pending.result(timeout=timeout_s)  # superseded below
       self._pending = None
     cut = self._ask(timeout_s=timeout_s).result(timeout=timeout_s + 5)
