@@ -70,6 +70,10 @@ class RaySettings:
   # config.runtime=ray: "" starts a local Ray inside the command (loopback only); "auto" or an
   # address (host:port, ray://host:port) joins a running cluster.
   address: str
+  # Processes (Ray actors, one per host of a multi-host slice or GPU node) per learner: each holds
+  # 1/this of the learner's devices, and together they run the learner as one jax.distributed
+  # job. 1: a learner is one process.
+  processes_per_learner: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,8 +639,19 @@ def _compilation_cache_dir(config, workdir: str) -> str | None:
 
 
 def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
-                     late_learners: tuple[int, ...]) -> tuple[str, RaySettings]:
+                     late_learners: tuple[int, ...], mesh_shapes: tuple[tuple[int, ...], ...]
+                     ) -> tuple[str, RaySettings]:
   runtime = _check_choice(config, "runtime", RUNTIMES)
+  processes = _check_int(config, "ray.processes_per_learner", 1)
+  if processes > 1:
+    if runtime != "ray":
+      _fail("ray.processes_per_learner", processes, "must be 1 unless config.runtime='ray' (a "
+            "learner thread cannot span processes)")
+    for m, shape in enumerate(mesh_shapes):
+      if math.prod(shape) % processes:
+        _fail("ray.processes_per_learner", processes,
+              f"must divide every learner's device count: config.learner_mesh_shapes[{m}]="
+              f"{shape} has {math.prod(shape)} devices")
   address = _get(config, "ray.address")
   if not isinstance(address, str):
     _fail("ray.address", address, "must be a string: '' (a local Ray started by the command), "
@@ -652,7 +667,7 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
             f"{', '.join(other)} (use runtime='threads')")
     if late_learners:
       _fail("runtime", runtime, "does not hold late learners back yet (config.late_learners)")
-  return runtime, RaySettings(address=address)
+  return runtime, RaySettings(address=address, processes_per_learner=processes)
 
 
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
@@ -685,7 +700,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   profile_steps = _profile_steps(config, num_steps)
   compilation_cache_dir = _compilation_cache_dir(config, workdir)
   donate_state = _check_choice(config, "donate_state", DONATE_STATE)
-  runtime, ray_settings = _resolve_runtime(config, mode, chaos_settings, late_learners)
+  runtime, ray_settings = _resolve_runtime(config, mode, chaos_settings, late_learners,
+                                           mesh_shapes)
   tape = _check_bool(config, "tape")
   replay = _replay(config, workdir, mode, runtime, chaos_settings, late_learners)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"

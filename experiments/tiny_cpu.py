@@ -88,11 +88,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.replay = ""
 
   # threads: every learner a thread of this process | ray: every learner a process of its own, a
-  # Ray actor (runtime/ray_runtime.py; decoupled mode, no config.chaos faults so far).
+  # Ray actor (runtime/ray_runtime.py; decoupled mode; crash, syncer_crash and corrupt_checkpoint
+  # faults).
   config.runtime = "threads"
   config.ray = ml_collections.ConfigDict()
   # "" = a local Ray started by the command, on loopback only; "auto" or an address joins a cluster.
   config.ray.address = ""
+  # runtime=ray: processes per learner, one per host of a multi-host slice (or GPU node), each
+  # with its share of the learner's mesh; together one jax.distributed job that the framework
+  # keeps in lock-step. A lost process takes its learner's others down with it, and the learner
+  # rejoins as a whole. Must divide each learner's device count.
+  config.ray.processes_per_learner = 1
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use

@@ -29,7 +29,7 @@ _CACHE = {"dir": ""}
 def local_ray(tmp_path_factory):
   """One local Ray for the module (loopback only; starting one takes seconds)."""
   _CACHE["dir"] = str(tmp_path_factory.mktemp("ray_jax_cache"))
-  ray_runtime.start_ray("", num_learners=2)
+  ray_runtime.start_ray("", num_processes=4)  # two learners of two processes each
   ray_runtime._started_here = False  # the runs below leave it up  # pylint: disable=protected-access
   node = ray.nodes()[0]
   assert node["NodeManagerAddress"] == "127.0.0.1"  # nothing listens beyond loopback
@@ -119,8 +119,9 @@ def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_o
   def wait_for(condition) -> bool:
     deadline = time.monotonic() + 120
     while not condition():
-      if time.monotonic() > deadline or run.learners[0].finished_training.is_set():
-        return False
+      first = run.learners[0]
+      if time.monotonic() > deadline or (first.finished_training.is_set() and first.error is None):
+        return False  # learner 0 made its last step (a failed one trains no more, too)
       time.sleep(0.01)
     return True
 
@@ -169,6 +170,93 @@ def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_o
   accounting = summary["fragment_token_accounting"]
   assert accounting["made"] == sum(accounting[k] for k in (
       "merged", "discarded", "lost_at_failures", "unmerged_at_end"))
+
+
+def test_a_learner_process_given_up_after_max_restarts_leaves_the_run_to_finish_without_it(
+    tmp_path):
+  """config.max_restarts=0 and learner 1's process killed (config.chaos) at step 3: the run goes
+  on without it and ends. (Before, the command waited forever for its last step.)"""
+  run = train.build(_settings(tmp_path, num_steps=24, max_restarts=0,
+                              learner_step_delays_s=(0.1, 0.1),
+                              chaos__schedule="crash@learner=1,step=3,down_s=1"))
+  summary = train.execute(run, progress=False)
+  assert summary["learner_steps"][0] == 24 and summary["learner_steps"][1] < 24
+  assert summary["learner_errors"][0] is None and "its process is gone" in summary[
+      "learner_errors"][1]
+  assert summary["rejoins"] == 0 and summary["unmerged_steps_at_end"][0] == 0
+
+
+# ---- a learner over several processes (config.ray.processes_per_learner) ------------------------
+
+_IDENTITY = dict(outer__name="sgd", outer__learning_rate=1.0, outer__momentum=0.0,
+                 merge__keep_in_flight_progress=True, compression__outer_grad="fp32",
+                 compression__broadcast="fp32", sync__num_fragments=2, sync__period=2,
+                 sync__overlap=1)
+
+
+def test_a_learner_over_two_processes_with_the_identity_outer_step_tracks_dp(tmp_path):
+  """One learner whose model axis spans two processes (mesh (1, 2), one device each): every pull
+  is put together from both processes' halves, every broadcast is applied by both at the same
+  step. With the identity outer step the run must track dp: a piece lost or a broadcast applied
+  at different steps in the two processes moves the loss. (tests/test_learner_group.py checks
+  the agreement itself without Ray.)"""
+  one = dict(num_learners=1, learner_mesh_shapes=((1, 2),), num_steps=32)
+  dp = train.execute(train.build(tiny_settings(tmp_path / "dp", mode="dp", **one)),
+                     progress=False)
+  run = train.build(_settings(tmp_path / "group", ray__processes_per_learner=2,
+                              learner_step_delays_s=(0.01,), **_IDENTITY, **one))
+  assert len(set(run.learners[0].pids)) == 2 and os.getpid() not in run.learners[0].pids
+  summary = train.execute(run, progress=False)
+  assert summary["learner_errors"] == [None] and summary["learner_steps"] == [32]
+  assert summary["merges_before_flush"] >= 8 and summary["double_merged_offers"] == 0
+  assert summary["unmerged_steps_at_end"] == [0]
+  assert summary["final_eval_loss"] == pytest.approx(dp["final_eval_loss"], rel=1e-4)
+  assert summary["learner_replicas_agree"] == [True]
+
+
+@pytest.mark.slow  # two learners of two processes each, and a restart of two: ~1 min here
+def test_a_killed_process_of_a_multi_process_learner_takes_its_learner_down_and_it_rejoins(
+    tmp_path):
+  """kill -9 of the second process of learner 1 (of two, two processes each): its leader's next
+  collective fails, the command ends the learner's other process, Ray restarts both, and
+  learner 1 rejoins as a whole, from learner 0's state put together from learner 0's two
+  processes. Checkpoints are cut throughout from both learners' processes."""
+  run = train.build(_settings(tmp_path, num_steps=48, max_restarts=1,
+                              ray__processes_per_learner=2, learner_mesh_shapes=((2, 1),),
+                              learner_step_delays_s=(0.3, 0.3), checkpoint__every_steps=16))
+  first_pids = [list(l.pids) for l in run.learners]
+  killed = {}
+
+  def kill_one():
+    deadline = time.monotonic() + 120
+    while run.learners[1].step < 4:
+      if time.monotonic() > deadline:
+        return
+      time.sleep(0.01)
+    killed["step"] = run.learners[0].step
+    os.kill(first_pids[1][1], signal.SIGKILL)
+
+  killer = threading.Thread(target=kill_one, daemon=True)
+  killer.start()
+  summary = train.execute(run, progress=False)
+  killer.join()
+  assert killed and killed["step"] < 40
+  assert run.learners[0].pids == first_pids[0]
+  assert not set(run.learners[1].pids) & set(first_pids[1])  # both of its processes are new
+  assert [l.incarnation for l in run.learners] == [0, 1]
+  assert summary["learner_errors"] == [None, None]
+  assert summary["learner_steps"] == [48, 48]
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
+  assert summary["rejoins"] == 1 and summary["double_merged_offers"] == 0
+  assert summary["unmerged_steps_at_end"] == [0, 0]
+  accounting = summary["fragment_token_accounting"]
+  assert accounting["made"] == sum(accounting[k] for k in (
+      "merged", "discarded", "lost_at_failures", "unmerged_at_end")), accounting
+  assert (tmp_path / "checkpoints" / "job" / "48").is_dir()  # the final cut, of both learners
+  # Each learner's two processes hold the same copy of its (replicated) parameters: they applied
+  # every merge at the same step.
+  assert summary["learner_replicas_agree"] == [True, True]
 
 
 def test_a_broadcast_waits_until_the_command_holds_its_merge_s_record():

@@ -237,3 +237,17 @@ def test_the_delta_broadcast_is_validated_with_the_fields_it_depends_on():
   with pytest.raises(ValueError, match=r"config\.compression\.broadcast_delta='int2' is invalid: "
                                        r"runs with config\.runtime='threads' only"):
     settings.validate(_config(**{"compression.broadcast_delta": "int2", "runtime": "ray"}))
+
+
+def test_processes_per_learner_is_validated_with_the_runtime_and_the_meshes():
+  assert settings.validate(_config()).ray.processes_per_learner == 1
+  run = settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 2}))
+  assert run.ray.processes_per_learner == 2
+  with pytest.raises(ValueError, match=r"config\.ray\.processes_per_learner=2 is invalid: must be "
+                                       r"1 unless config\.runtime='ray'"):
+    settings.validate(_config(**{"ray.processes_per_learner": 2}))
+  with pytest.raises(ValueError, match=r"config\.ray\.processes_per_learner=3 is invalid: must "
+                                       r"divide every learner's device count"):
+    settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 3}))
+  with pytest.raises(ValueError, match=r"config\.ray\.processes_per_learner=0"):
+    settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 0}))

@@ -284,13 +284,23 @@ class TrainStep:
     self.donates_state = donates_state
     self.schedule_values = np.asarray(schedule_values, np.float32)
     self._schedule = jax.device_put(self.schedule_values, _replicated(mesh))
+    # A mesh over several processes (a learner over several hosts): every process holds the
+    # whole batch, and hands the step the rows its devices take.
+    self._spans = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
   def __call__(self, state: TrainState, batch: dict[str, Any]
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-    return self.jitted(state, batch, self._schedule)
+    return self.jitted(state, self._global(batch), self._schedule)
 
   def lower(self, state: Any, batch: Any) -> Any:
-    return self.jitted.lower(state, batch, self._schedule)
+    return self.jitted.lower(state, self._global(batch), self._schedule)
+
+  def _global(self, batch: dict[str, Any]) -> dict[str, Any]:
+    if not self._spans:
+      return batch
+    sharding = batch_sharding(self.mesh)
+    return {k: v if isinstance(v, (jax.Array, jax.ShapeDtypeStruct)) else jax.make_array_from_callback(
+        np.shape(v), sharding, lambda index, v=v: np.asarray(v)[index]) for k, v in batch.items()}
 
   def with_schedule(self, schedule_values: np.ndarray) -> TrainStep:
     """The same compiled program, stepping on another schedule."""

@@ -29,6 +29,12 @@ offered; the syncer's robust merge rejects it.
 
 `snapshot()` captures everything needed to start it again from the same point.
 
+A learner over several processes (`group`, one per host: runtime/ray_runtime.py) is this same
+learner in every process, in lock-step. At every step boundary they agree on what changes their
+state: the leader proposes the broadcasts it holds, the syncer's pulls (`ask_offer`; each process
+answers with its own pieces, `answer`), a capture of the whole state (`capture`), a stop and a
+release, and every process does exactly that, in that order (`_boundary`).
+
 Memory beyond a data-parallel learner: the host copies of its anchors (4 bytes per parameter), and
 on its devices the fragments of the offers the syncer took and has not merged yet (the last one per
 fragment; in the steady state the tau-or-so fragments in flight, at worst one copy of the
@@ -82,6 +88,82 @@ class SyncerLink(Protocol):
 
   def post(self, message: Any) -> None:
     ...
+
+
+class ProcessGroup(Protocol):
+  """The processes of a learner that spans several hosts (runtime/ray_runtime.py): each runs this
+  same learner on its part of the learner's mesh, in lock-step, since every step is one program over
+  all of them. What may differ between them (which broadcasts and pulls have reached each, a stop
+  asked of the leader) is agreed at every step boundary: the leader, process 0, proposes, and all
+  of them apply the leader's proposal."""
+
+  leader: bool
+
+  def agree(self, proposal: dict[str, Any] | None) -> dict[str, Any]:
+    """All processes call this at the same boundary; each gets the leader's `proposal`."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShards:
+  """One process's host copy of its part of an array: the pieces it holds (one copy of each),
+  as (slices, values). `assemble` puts the parts of all processes together."""
+
+  shape: tuple[int, ...]
+  dtype: Any
+  pieces: tuple[tuple[tuple[tuple[int, int], ...], np.ndarray], ...]
+
+
+def local_shards(tree: Any) -> Any:
+  """`tree` with each jax.Array replaced by this process's `HostShards` of it."""
+  def one(x):
+    if not isinstance(x, jax.Array):
+      return x
+    pieces = []
+    for shard in x.addressable_shards:
+      if shard.replica_id != 0:
+        continue  # another device (perhaps of another process) gives this piece
+      bounds = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, x.shape))
+      pieces.append((bounds, np.asarray(shard.data)))
+    return HostShards(tuple(x.shape), x.dtype, tuple(pieces))
+  return jax.tree.map(one, tree)
+
+
+def assemble(parts: Sequence[Any]) -> Any:
+  """The host arrays whose `HostShards` the processes of a learner gave (`local_shards`)."""
+  def one(*leaves):
+    first = leaves[0]
+    if not isinstance(first, HostShards):
+      return first
+    out = np.empty(first.shape, first.dtype)
+    filled = 0
+    for leaf in leaves:
+      for bounds, values in leaf.pieces:
+        out[tuple(slice(a, b) for a, b in bounds)] = values
+        filled += values.size
+    if filled != out.size:
+      raise ValueError(f"the processes' pieces cover {filled} of {out.size} values of an array "
+                       f"of shape {first.shape}")
+    return out
+  return jax.tree.map(one, *parts, is_leaf=lambda x: isinstance(x, HostShards))
+
+
+def host_array(x: Any) -> np.ndarray:
+  """A host copy of the whole of `x`; of an array spread over several processes, gathered from all
+  of them (a collective: every process of the learner calls it at the same point)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+_MAX_AGREED = 32  # broadcasts, and pulls, one boundary of a multi-process learner takes up
+_ARRIVAL_TIMEOUT_S = 120.0  # how long a process waits for a broadcast its leader applies
+
+
+def _broadcast_key(broadcast: messages.Broadcast) -> tuple[int, int, int]:
+  base = -1 if broadcast.base_version is None else int(broadcast.base_version)
+  return (int(broadcast.fragment), int(broadcast.version), base)
 
 
 @dataclasses.dataclass
@@ -154,8 +236,11 @@ class Learner:
       layout: model_lib.ParamLayout | None = None,
       incarnation: int = 0,
       peer_repairing: Callable[[], bool] | None = None,
+      group: ProcessGroup | None = None,
   ):
     self.index = index
+    # A learner over several processes: every change of its state is agreed at a step boundary.
+    self._group = group
     # 0 for the learner the run started; one more for each restart after a failure (spec §6).
     self.incarnation = incarnation
     # Shapes and shardings of the train state, not its arrays: a respawn places its state alike.
@@ -189,7 +274,7 @@ class Learner:
       self._counter_steps = np.zeros(num_fragments, np.int64)
       self._counter_tokens = np.zeros(num_fragments, np.int64)
       self._since = np.zeros(num_fragments, np.int64)
-      host = self._layout.to_flat(jax.device_get(state.params))
+      host = self._layout.to_flat(jax.tree.map(host_array, state.params))
       self._anchors = {name: np.asarray(v, np.float32) for name, v in host.items()}
       self._anchor_versions = np.zeros(num_fragments, np.int64)
     else:
@@ -212,6 +297,19 @@ class Learner:
     self._taken_counts: dict[int, dict[int, tuple[int, int]]] = {}
     self._tape_seq = 0  # this learner's events on the event tape so far
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
+    # A learner over several processes (`group`): the broadcasts taken from the inbox and not yet
+    # applied, the leader's pulls waiting for the next boundary (request, p, merged_through), each
+    # process's answers to them, its captures of the whole state (boundary -> publication of host
+    # shards), and the stop and release agreed.
+    self._arrived: list[messages.Broadcast] = []
+    self._pulls: list[tuple[str, int, int]] = []
+    self._answers: dict[str, messages.Offer | messages.Answer] = {}
+    self._captures: dict[int, messages.Publication] = {}
+    self._boundaries = 0
+    self._agreed = threading.Condition()
+    self._news = threading.Event()  # the leader has something to propose
+    self._agreed_stop = False
+    self._agreed_release = False
     self._finished = False  # made its last step: from then on merges keep unmerged steps
     self._stop = threading.Event()
     self._release = threading.Event()  # after num_steps: keep serving the syncer until released
@@ -271,11 +369,13 @@ class Learner:
   def deliver(self, broadcast: messages.Broadcast) -> None:
     """A merged Theta_p arrives: applied at the next step boundary."""
     self._inbox.put(broadcast)
+    self._news.set()
 
   def want_full_state(self, seconds: float) -> None:
     """For the next `seconds`, publications carry the optimizer state and step too (a copy, with
     donation); the publications already made are unchanged."""
     self._full_until = max(self._full_until, time.monotonic() + seconds)
+    self._news.set()
 
   def full_publication(self, timeout_s: float, min_step: int = 0
                        ) -> messages.Publication | None:
@@ -295,10 +395,63 @@ class Learner:
     """Stops at the next step boundary (a crash or a planned stop: nothing else waits for it)."""
     self._stop.set()
     self._release.set()
+    self._news.set()
 
   def release(self) -> None:
     """Ends the serving phase after num_steps (the final flush is over)."""
     self._release.set()
+    self._news.set()
+
+  # ---- a learner over several processes: called from other threads ----------------------------
+
+  def ask_offer(self, request: str, p: int, merged_through: int) -> None:
+    """The leader: the syncer's pull `request` of fragment p, answered by every process at the
+    next boundary (`answer`)."""
+    with self._lock:
+      self._pulls.append((str(request), int(p), int(merged_through)))
+    self._news.set()
+
+  def answer(self, request: str, timeout_s: float) -> messages.Offer | messages.Answer:
+    """This process's answer to the pull `request` (its offer's values are its own pieces), once
+    the boundary that took it has passed; UNREACHABLE if none within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    with self._agreed:
+      while request not in self._answers:
+        left = deadline - time.monotonic()
+        if left <= 0 or self.error is not None or not self._thread.is_alive():
+          return messages.Answer.UNREACHABLE
+        self._agreed.wait(min(left, 0.5))
+      return self._answers.pop(request)
+
+  def capture(self, timeout_s: float, *, after: int = -1, boundary: int | None = None
+              ) -> tuple[int, messages.Publication] | None:
+    """(boundary, this process's capture of the whole state there): the one of `boundary`, or the
+    first made after boundary `after` (asking for it). None if none within `timeout_s`."""
+    if boundary is None:
+      self.want_full_state(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    with self._agreed:
+      while True:
+        if boundary is not None and boundary in self._captures:
+          return boundary, self._captures[boundary]
+        if boundary is None:
+          newer = [b for b in self._captures if b > after]
+          if newer:
+            return max(newer), self._captures[max(newer)]
+        left = deadline - time.monotonic()
+        if left <= 0 or self.error is not None or (
+            boundary is not None and self._captures and min(self._captures) > boundary):
+          return None
+        self._agreed.wait(min(left, 0.5))
+
+  def wants_full_state(self) -> bool:
+    """Whether someone asked for the whole state lately (`want_full_state`)."""
+    return bool(time.monotonic() < self._full_until)
+
+  @property
+  def boundaries(self) -> int:
+    """Step boundaries this learner's processes have agreed on so far."""
+    return self._boundaries
 
   def join(self, timeout: float | None = None) -> None:
     if self._thread.ident is not None:  # a late learner that never joined has nothing to end
@@ -398,14 +551,14 @@ class Learner:
     error = None
     try:
       self._train()
-      if not self._stop.is_set():
+      if not self._stopping():
         self._finished = True
         self._publish(self._state)
         if self._syncer is not None:
           self._syncer.post(self._training_done())
       self.finished_training.set()
       said_done_at = time.monotonic()
-      while not self._release.is_set():
+      while not self._released():
         # After the last step the learner still serves offers and takes merges (the final flush).
         held = self._anchor_versions.copy()
         self._serve(timeout=0.02)
@@ -445,12 +598,14 @@ class Learner:
       self._wait_for_due_merges()
     last_done = time.perf_counter()
     self.train_started_at = time.monotonic()
-    while self.step < opts.num_steps and not self._stop.is_set():
+    while self.step < opts.num_steps and not self._stopping():
       if self._step_hook is not None:
         self._step_hook(self.index, self.step)
       if self._trace is not None:
         self._trace.before_step(self.step)
-      self._apply_arrived()
+      self._boundary()
+      if self._group is not None and self._agreed_stop:
+        break  # a multi-process learner's leader was asked to stop: all stop here
       current = self._state  # after step self.step, merges applied (its step may still run)
       batch = next(self._batches)
       self._took(batch)
@@ -568,8 +723,89 @@ class Learner:
         anchor={name: published.anchors[name] for name in names}, incarnation=self.incarnation,
         publication=published.index)
 
+  def _stopping(self) -> bool:
+    return self._agreed_stop if self._group is not None else self._stop.is_set()
+
+  def _released(self) -> bool:
+    return self._agreed_release if self._group is not None else self._release.is_set()
+
+  def _boundary(self) -> int:
+    """Applies the merges that arrived; a learner over several processes returns how many
+    broadcasts it took.
+
+    A learner over several processes agrees first: the leader proposes the broadcasts it has,
+    the pulls, whether to capture the whole state, a stop and a release; every process then does
+    exactly that, in that order, so that all keep the same state and run the same programs.
+    """
+    if self._group is None:
+      self._apply_arrived()
+      return 0
+    self._take_inbox()
+    proposal = None
+    if self._group.leader:
+      with self._lock:
+        pulls, self._pulls = self._pulls[:_MAX_AGREED], self._pulls[_MAX_AGREED:]
+      proposal = {"apply": [_broadcast_key(b) for b in self._arrived[:_MAX_AGREED]],
+                  "pull": pulls, "capture": bool(time.monotonic() < self._full_until),
+                  "stop": self._stop.is_set(), "release": self._release.is_set()}
+    agreed = self._group.agree(proposal)
+    for key in agreed["apply"]:
+      self._apply(self._arrived_broadcast(tuple(key)))
+    answers = {request: self.offer(p, merged_through)
+               for request, p, merged_through in agreed["pull"]}
+    capture = None
+    if agreed["capture"]:
+      state = self._state
+      capture = dataclasses.replace(
+          self._publication(state), params=local_shards(dict(state.params)),
+          opt_state=local_shards(state.opt_state), state_step=local_shards(state.step))
+    with self._agreed:
+      self._boundaries += 1
+      self._answers.update(answers)
+      while len(self._answers) > 4 * _MAX_AGREED:  # asked of this process, never collected
+        del self._answers[next(iter(self._answers))]
+      if capture is not None:
+        self._captures[self._boundaries] = capture
+        while len(self._captures) > 3:
+          del self._captures[min(self._captures)]
+      self._agreed_stop = self._agreed_stop or agreed["stop"]
+      self._agreed_release = self._agreed_release or agreed["release"]
+      self._agreed.notify_all()
+    # Bounded: a broadcast the leader never proposes is one it had applied or skipped already.
+    self._arrived = [b for b in self._arrived if b.version > self._anchor_versions[b.fragment]]
+    return len(agreed["apply"])
+
+  def _take_inbox(self) -> None:
+    while True:
+      try:
+        self._arrived.append(self._inbox.get_nowait())
+      except queue.Empty:
+        return
+
+  def _arrived_broadcast(self, key: tuple[int, int, int]) -> messages.Broadcast:
+    """The broadcast the leader named (sent to every process of the learner at once)."""
+    deadline = time.monotonic() + _ARRIVAL_TIMEOUT_S
+    while True:
+      for i, broadcast in enumerate(self._arrived):
+        if _broadcast_key(broadcast) == key:
+          return self._arrived.pop(i)
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"learner {self.index}: the broadcast (fragment, version, base) = "
+                           f"{key} its leader applied never reached this process")
+      try:
+        self._arrived.append(self._inbox.get(timeout=0.05))
+      except queue.Empty:
+        pass
+
   def _serve(self, timeout: float) -> None:
     """Applies the merges that arrived (waiting up to `timeout` for one), then publishes."""
+    if self._group is not None:
+      if self._group.leader and timeout > 0:
+        self._news.wait(timeout)  # the others wait for it in the agreement
+      self._news.clear()
+      if self._boundary():
+        self._publish(self._state)
+      return
     try:
       broadcast = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
     except queue.Empty:
@@ -657,8 +893,9 @@ class Learner:
     """
     sharding = self._flat_shardings[name]
     if self._finished:
-      now_host = np.asarray(now, np.float32)
-      return jax.device_put(base + (now_host - np.asarray(offered, np.float32)), sharding)
+      now_host = np.asarray(host_array(now), np.float32)
+      return jax.device_put(base + (now_host - np.asarray(host_array(offered), np.float32)),
+                            sharding)
     return _rebase(jax.device_put(base, sharding), now, jax.device_put(offered, sharding))
 
   def _record_taken(self, offer: messages.Offer) -> None:

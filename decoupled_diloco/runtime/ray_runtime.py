@@ -24,9 +24,18 @@ to its actors. A call without a valid MAC (another driver on the same cluster th
 up by name) or for another incarnation is rejected, logged and counted (`rejected_calls`); nothing it
 carried reaches the learner's state.
 
-The syncer and the controller stay in the driver's process here (a CPU host, as in the paper); the
-syncer as an actor of its own, faults from config.chaos under this runtime and the multi-host TPU
-placement are the rest of issue 11.
+A learner over several hosts (config.ray.processes_per_learner = K > 1) is K actors, one per host
+(a placement group spreads them over distinct nodes of a cluster), that join a jax.distributed job
+of their own and run the same `Learner` in lock-step on the learner's global mesh; the leader,
+process 0, proposes at every step boundary what changes their state, and all of them do it
+(`learner.ProcessGroup`, `_Agreement`). Broadcasts go to all K; a pull is answered by all K at the
+next boundary, each with its own pieces of the fragment, put together where the answer lands
+(`PendingGroup`); a full state (a cut, a peer's rejoin) likewise (`gather_published`). A process
+that dies or fails takes the learner's others down (`RemoteLearner._fail_group`), and the learner
+rejoins as a whole in K fresh processes.
+
+The controller stays in the driver's process; the syncer is an actor of its own
+(`runtime/ray_syncer.py`).
 """
 
 from __future__ import annotations
@@ -40,9 +49,11 @@ import collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
 import hashlib
 import hmac
+import json
 import math
 import secrets
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -73,7 +84,7 @@ def sign(secret: bytes, method: str, learner: int, incarnation: int, detail: str
   return hmac.new(secret, text, hashlib.sha256).hexdigest()
 
 
-def start_ray(address: str, num_learners: int) -> None:
+def start_ray(address: str, num_processes: int) -> None:
   """Starts a local Ray inside this process (`address` "") or joins a cluster ("auto" or an
   address). A local one listens on loopback only; Ray's own token authentication stays on."""
   import ray  # pylint: disable=g-import-not-at-top
@@ -89,9 +100,10 @@ def start_ray(address: str, num_learners: int) -> None:
     ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING,
              log_to_driver=True)
   else:
-    # One CPU slot per learner process: Ray does not hold a learner back for want of cores (the
-    # processes share this host's cores as the threads did).
-    ray.init(num_cpus=num_learners + 1, include_dashboard=False, runtime_env=runtime_env,
+    # One CPU slot per learner process (`num_processes`) and one for the syncer: Ray does not
+    # hold a learner back for want of cores (the processes share this host's cores as the
+    # threads did).
+    ray.init(num_cpus=num_processes + 1, include_dashboard=False, runtime_env=runtime_env,
              logging_level=logging.WARNING, log_to_driver=True, _node_ip_address="127.0.0.1")
     _started_here = True
 
@@ -144,23 +156,61 @@ class _Outbox:
     return posts, records
 
 
+_AGREEMENT_BYTES = 8192  # what a leader's proposal may take (json), sent to every process
+
+
+class _Agreement:
+  """`learner.ProcessGroup` over the learner's own jax.distributed job: the leader's proposal, as
+  json bytes, goes to every process with `multihost_utils.broadcast_one_to_all`."""
+
+  def __init__(self, leader: bool):
+    self.leader = leader
+
+  def agree(self, proposal: dict[str, Any] | None) -> dict[str, Any]:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    buffer = np.zeros(_AGREEMENT_BYTES, np.uint8)
+    if self.leader:
+      raw = json.dumps(proposal).encode()
+      if len(raw) > _AGREEMENT_BYTES - 4:
+        raise ValueError(f"a learner leader's proposal of {len(raw)} bytes exceeds "
+                         f"{_AGREEMENT_BYTES - 4}")
+      buffer[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
+      buffer[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    agreed = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    size = int.from_bytes(agreed[:4].tobytes(), "little")
+    return json.loads(agreed[4:4 + size].tobytes())
+
+
 class LearnerProcess:
-  """One learner in its own process (the body of the Ray actor; `RemoteLearner` drives it)."""
+  """One learner in its own process (the body of the Ray actor; `RemoteLearner` drives it), or
+  with config.ray.processes_per_learner > 1 one process of a learner that spans several: process
+  0 leads, and all of them run the learner in lock-step (`learner.ProcessGroup`)."""
 
   def __init__(self, settings: settings_lib.RunSettings, index: int, secret: bytes,
-               cut=None):
-    """`cut`: this learner's `checkpoints.LearnerCut` in a resumed run (None: from the seed)."""
+               cut=None, process: int = 0):
+    """`cut`: this learner's `checkpoints.LearnerCut` in a resumed run (None: from the seed).
+    A process of a multi-process learner builds nothing until `join_group`: its JAX must join
+    the learner's jax.distributed job before it starts."""
+    self._settings, self._index, self._secret, self._cut = settings, index, secret, cut
+    self._process = process
+    self._processes = settings.ray.processes_per_learner
+    self.rejected_calls = 0
+    self._learner = None
+    self._started = False
+    if self._processes == 1:
+      self._build(cut)
+
+  def _build(self, cut) -> None:
+    settings, index = self._settings, self._index
     from decoupled_diloco.lm import data as data_lib  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import inner  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import model as model_lib  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import tokenizers  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.algorithm import fragments as fragments_lib  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
-    self._index, self._secret = index, secret
-    self.rejected_calls = 0
     shape = settings.learner_mesh_shapes[index]
     if settings.devices.platform == "cpu":
-      devices_lib.request_fake_cpu_devices(math.prod(shape))
+      devices_lib.request_fake_cpu_devices(math.prod(shape) // self._processes)
     train._use_compilation_cache(settings.compilation_cache_dir)  # pylint: disable=protected-access
     (mesh,), _ = devices_lib.build_meshes((shape,), 0, settings.devices.platform)
     data = settings.data
@@ -169,7 +219,7 @@ class LearnerProcess:
         seq_len=data.seq_len, eval_fraction=data.eval_fraction,
         validation_fraction=data.validation_fraction)
     graphdef, params = model_lib.init_params(settings.model, mesh, settings.seed)
-    initial = {n: np.asarray(v) for n, v in jax.device_get(params).items()}
+    initial = {n: learner_lib.host_array(v) for n, v in params.items()}
     tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
     train_step, state, shardings, batches, self.compile_s = train.learner_parts(
         settings, index, mesh, graphdef, initial, tx, dataset)
@@ -178,15 +228,96 @@ class LearnerProcess:
         model_lib.param_shapes(settings.model), sync.num_fragments, sync.fragmentation,
         embedding_names=(model_lib.EMBEDDING_NAME,))
     self._outbox = _Outbox()
+    leader = self._process == 0
+    group = _Agreement(leader) if self._processes > 1 else None
+    # Only the leader of a multi-process learner posts, writes metrics and answers the driver's
+    # polls for the learner; the others' state is the same.
     self._make = lambda snap, inc: learner_lib.Learner(
         index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
-        fragments=fragments, syncer=self._outbox, metrics=self._outbox,
+        fragments=fragments, syncer=self._outbox if leader else None,
+        metrics=self._outbox if leader else None,
         layout=model_lib.param_layout(settings.model), options=train.learner_options(settings, index),
-        snapshot=snap, incarnation=inc)
+        snapshot=snap, incarnation=inc, group=group)
     from decoupled_diloco.runtime import job_state  # pylint: disable=g-import-not-at-top
     snapshot = job_state.learner_snapshot(cut, state) if cut is not None else None
     self._learner = self._make(snapshot, cut.incarnation if cut is not None else 0)
     self._started = False
+
+  # ---- a learner over several processes --------------------------------------------------------
+
+  def coordinator(self) -> str:
+    """The leader: an address for the learner's jax.distributed coordinator (this host, a free
+    port)."""
+    import ray  # pylint: disable=g-import-not-at-top
+    host = ray.util.get_node_ip_address() if self._settings.ray.address else "127.0.0.1"
+    with socket.socket() as probe:
+      probe.bind((host, 0))
+      port = probe.getsockname()[1]
+    return f"{host}:{port}"
+
+  def join_group(self, coordinator: str, mac: str) -> int:
+    """Joins the learner's jax.distributed job (once per process) and builds the learner on the
+    whole mesh. Returns the process id."""
+    if not hmac.compare_digest(mac, sign(self._secret, "join_group", self._index, 0,
+                                         coordinator)):
+      self.rejected_calls += 1
+      raise RejectedCall(f"learner {self._index}: join_group without a valid MAC")
+    if self._learner is None:
+      if self._settings.devices.platform == "cpu":
+        devices_lib.request_fake_cpu_devices(
+            math.prod(self._settings.learner_mesh_shapes[self._index]) // self._processes)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      jax.distributed.initialize(coordinator_address=coordinator,
+                                 num_processes=self._processes, process_id=self._process,
+                                 initialization_timeout=int(5 * _CALL_TIMEOUT_S))
+      self._build(self._cut)
+    return os.getpid()
+
+  def offer_part(self, request: str, p: int, merged_through: int, incarnation: int, mac: str):
+    """A multi-process learner's answer to a pull: the leader asks for it at the next boundary;
+    every process answers with its own pieces of the fragment (`learner.local_shards`)."""
+    self._check(mac, "offer", incarnation, f"{p}")
+    if self._process == 0:
+      self._learner.ask_offer(request, p, merged_through)
+    answer = self._learner.answer(request, _CALL_TIMEOUT_S)
+    if isinstance(answer, messages.Offer):
+      answer = dataclasses.replace(answer, values=learner_lib.local_shards(answer.values))
+    return answer
+
+  def group_published(self, full: bool, timeout_s: float, incarnation: int, mac: str):
+    """The leader: (boundary, its capture of the whole state there) if `full` (asked for, within
+    `timeout_s`) or while one is wanted anyway; otherwise (None, the latest publication without
+    its arrays: counters, versions and anchors)."""
+    self._check(mac, "published", incarnation)
+    learner = self._learner
+    if full or learner.wants_full_state():
+      found = learner.capture(timeout_s if full else 0.0, after=learner.boundaries - 1
+                              if full else -1)
+      if found is not None:
+        return found
+      if full:
+        return None, None
+    return None, dataclasses.replace(learner.published, params={}, opt_state=None,
+                                     state_step=None)
+
+  def replica_digests(self, incarnation: int, mac: str) -> dict[str, list[str]]:
+    """Per piece of each parameter this process holds (name and bounds): the digests of its
+    copies, one per device that holds it. The command checks that every copy of a piece, in
+    every process of the learner, is the same (`RemoteLearner.check_replicas`)."""
+    self._check(mac, "replica_digests", incarnation)
+    digests: dict[str, set[str]] = {}
+    for name, array in sorted(self._learner.published.params.items()):
+      for shard in array.addressable_shards:
+        bounds = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, array.shape))
+        data = np.ascontiguousarray(np.asarray(shard.data))
+        digests.setdefault(f"{name}{bounds}", set()).add(hashlib.sha256(data.tobytes()).hexdigest())
+    return {piece: sorted(d) for piece, d in digests.items()}
+
+  def capture_part(self, boundary: int, timeout_s: float, incarnation: int, mac: str):
+    """This process's capture of the whole state at `boundary`, or None if it has none."""
+    self._check(mac, "published", incarnation)
+    found = self._learner.capture(timeout_s, boundary=boundary)
+    return None if found is None else found[1]
 
   # ---- fencing ---------------------------------------------------------------------------------
 
@@ -197,6 +328,8 @@ class LearnerProcess:
       logging.warning("learner %d: rejected a %s call without a valid MAC (not from this job's "
                       "driver); %d rejected so far", self._index, method, self.rejected_calls)
       raise RejectedCall(f"learner {self._index}: {method} without a valid MAC")
+    if self._learner is None:
+      raise RejectedCall(f"learner {self._index}: not built yet (join_group)")
     if incarnation != self._learner.incarnation:
       self.rejected_calls += 1
       logging.warning("learner %d: rejected a %s call for incarnation %d (this is %d)",
@@ -342,6 +475,57 @@ class PendingRay(messages.PendingAnswer):
       return messages.Answer.UNREACHABLE  # the process died or refused: ask again later
 
 
+class PendingGroup(messages.PendingAnswer):
+  """A multi-process learner's answers to one pull, each process's pieces on their way."""
+
+  def __init__(self, refs):
+    self._refs = refs
+
+  @property
+  def in_host_memory(self) -> bool:
+    import ray  # pylint: disable=g-import-not-at-top
+    ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0, fetch_local=True)
+    return len(ready) == len(self._refs)
+
+  def result(self) -> messages.Offer | messages.Answer:
+    import ray  # pylint: disable=g-import-not-at-top
+    try:
+      answers = ray.get(self._refs, timeout=_CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      return messages.Answer.UNREACHABLE
+    first = answers[0]
+    if not isinstance(first, messages.Offer):
+      return first  # the processes agree: each answered the same pull on the same state
+    if not all(isinstance(a, messages.Offer) and a.step == first.step for a in answers):
+      return messages.Answer.UNREACHABLE
+    values = learner_lib.assemble([a.values for a in answers])
+    return dataclasses.replace(first, values={n: np.asarray(v, np.float32)
+                                              for n, v in values.items()})
+
+
+def gather_published(actors, full: bool, timeout_s: float, sign_call
+                     ) -> messages.Publication | None:
+  """A multi-process learner's publication: the leader's, with the whole state put together from
+  every process's capture of the same boundary when there is one (`full`: asked for). None if a
+  full one could not be had within `timeout_s`. `sign_call(method)` gives a call's incarnation
+  and MAC."""
+  import ray  # pylint: disable=g-import-not-at-top
+  boundary, published = ray.get(actors[0].group_published.remote(
+      full, timeout_s, *sign_call("published")), timeout=timeout_s + _CALL_TIMEOUT_S)
+  if boundary is None:
+    return published
+  parts = [published] + ray.get(
+      [a.capture_part.remote(boundary, timeout_s, *sign_call("published")) for a in actors[1:]],
+      timeout=timeout_s + _CALL_TIMEOUT_S)
+  if any(part is None for part in parts):
+    return None if full else dataclasses.replace(published, params={}, opt_state=None,
+                                                 state_step=None)
+  return dataclasses.replace(
+      published, params=learner_lib.assemble([part.params for part in parts]),
+      opt_state=learner_lib.assemble([part.opt_state for part in parts]),
+      state_step=learner_lib.assemble([part.state_step for part in parts]))
+
+
 def wait_until_up(actor, name: str, timeout_s: float = 5 * _CALL_TIMEOUT_S) -> int:
   """Waits while Ray restarts an actor's process (its constructor builds afresh); returns its
   pid."""
@@ -361,19 +545,27 @@ class ActorLearnerLink:
   calls, answers through the object store."""
 
   def __init__(self, actor, index: int, incarnation: int, secret: bytes, num_fragments: int):
-    self._actor, self._index, self._incarnation, self._secret = actor, index, incarnation, secret
+    """`actor`: the learner's actor, or the list of its processes' actors (leader first)."""
+    self._actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
+    self._actor, self._index, self._incarnation, self._secret = (
+        self._actors[0], index, incarnation, secret)
     self._num_fragments = num_fragments
 
   def _mac(self, method: str, detail: str = "") -> str:
     return sign(self._secret, method, self._index, self._incarnation, detail)
 
   def offer(self, p: int, merged_through: int) -> messages.PendingAnswer:
+    if len(self._actors) > 1:
+      request, mac = secrets.token_hex(8), self._mac("offer", f"{p}")
+      return PendingGroup([a.offer_part.remote(request, p, merged_through, self._incarnation, mac)
+                           for a in self._actors])
     return PendingRay(self._actor.offer.remote(p, merged_through, self._incarnation,
                                                self._mac("offer", f"{p}")))
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
-    self._actor.deliver.remote(broadcast, self._incarnation,
-                               self._mac("deliver", f"{broadcast.fragment}:{broadcast.version}"))
+    mac = self._mac("deliver", f"{broadcast.fragment}:{broadcast.version}")
+    for actor in self._actors:  # every process of the learner; its leader says when to apply it
+      actor.deliver.remote(broadcast, self._incarnation, mac)
 
   def want_full_state(self, seconds: float) -> None:
     self._actor.want_full_state.remote(seconds, self._incarnation, self._mac("want_full_state"))
@@ -384,6 +576,9 @@ class ActorLearnerLink:
     cut may ask meanwhile), a stand-in with no state and no Theta_p version, which no cut takes."""
     import ray  # pylint: disable=g-import-not-at-top
     try:
+      if len(self._actors) > 1:
+        return gather_published(self._actors, False, 0.0,
+                                lambda method: (self._incarnation, self._mac(method)))
       return ray.get(self._actor.published.remote(False, 0.0, self._incarnation,
                                                   self._mac("published")), timeout=_CALL_TIMEOUT_S)
     except Exception:  # pylint: disable=broad-except
@@ -398,13 +593,16 @@ class RemoteLearner:
   `Learner` that the controller, the supervisor and the summary read (kept by a watcher thread)."""
 
   def __init__(self, index: int, actor, *, secret: bytes, port, metrics, layout, like,
-               num_devices: int, device_kind: str, incarnation: int = 0, pid: int | None = None,
+               num_devices: int, device_kind: str, incarnation: int = 0, pid=None,
                data_state: bytes | None = None, step_hook=None):
+    """`actor`, `pid`: the learner's process, or the lists of its processes (leader first)."""
     self.index, self.incarnation = index, incarnation
-    self._actor, self._secret, self._port, self._metrics = actor, secret, port, metrics
+    self._actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
+    self.pids = list(pid) if isinstance(pid, (list, tuple)) else [pid]
+    self._actor, self._secret, self._port, self._metrics = self._actors[0], secret, port, metrics
     self.layout, self.state_like = layout, like
     self.num_devices, self.device_kind = num_devices, device_kind
-    self.pid = pid
+    self.pid = self.pids[0]
     self.step = self.start_step = self.steps_made = 0
     self.losses: list[float] = []
     self.step_times: list[float] = []
@@ -416,6 +614,7 @@ class RemoteLearner:
     self.barrier_wait_s = 0.0
     self.barrier_waits: list[tuple[float, float]] = []
     self.rejected_calls = 0
+    self.replicas_agree: bool | None = None  # check_replicas
     self._counters = None
     self._offers_made = None
     self.data_state = data_state
@@ -425,6 +624,11 @@ class RemoteLearner:
     self._step_hook = step_hook
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._watch, name=f"watch-learner-{index}", daemon=True)
+    # A multi-process learner: a watcher per other process, which fails the learner if that
+    # process dies or fails.
+    self._others = [threading.Thread(target=self._watch_other, args=(i,), daemon=True,
+                                     name=f"watch-learner-{index}-{i}")
+                    for i in range(1, len(self._actors))]
     self._refresh(self._call_get("poll", 0.0))
 
   # ---- calls -----------------------------------------------------------------------------------
@@ -444,8 +648,12 @@ class RemoteLearner:
 
   @property
   def actor(self):
-    """The learner's actor (the syncer's process calls it through an `ActorLearnerLink`)."""
-    return self._actor
+    """The learner's actor, or its processes' actors (the syncer's process calls it through an
+    `ActorLearnerLink`)."""
+    return self._actor if len(self._actors) == 1 else list(self._actors)
+
+  def _signed(self, method: str) -> tuple[int, str]:
+    return self.incarnation, self._mac(method)
 
   @property
   def published(self) -> messages.Publication:
@@ -453,6 +661,8 @@ class RemoteLearner:
     restarting (the syncer may ask for a checkpoint's cut meanwhile): a stand-in that holds no
     state and no Theta_p version, so no cut can include it."""
     try:
+      if len(self._actors) > 1:
+        return gather_published(self._actors, False, 0.0, self._signed)
       return self._call_get("published", False, 0.0)
     except Exception:  # pylint: disable=broad-except
       steps, tokens, versions = self._counters
@@ -463,6 +673,8 @@ class RemoteLearner:
 
   def full_publication(self, timeout_s: float) -> messages.Publication | None:
     try:
+      if len(self._actors) > 1:
+        return gather_published(self._actors, True, timeout_s, self._signed)
       return self._call_get("published", True, timeout_s, timeout=timeout_s + _CALL_TIMEOUT_S)
     except Exception:  # pylint: disable=broad-except
       return None  # the peer died meanwhile
@@ -470,8 +682,12 @@ class RemoteLearner:
   # ---- the Learner view ------------------------------------------------------------------------
 
   def start(self) -> None:
-    self._call_get("start")
+    import ray  # pylint: disable=g-import-not-at-top
+    ray.get([a.start.remote(self.incarnation, self._mac("start")) for a in self._actors],
+            timeout=_CALL_TIMEOUT_S)
     self._thread.start()
+    for thread in self._others:
+      thread.start()
 
   def stop(self) -> None:
     try:
@@ -503,6 +719,8 @@ class RemoteLearner:
     return np.asarray(self._offers_made).copy()
 
   def params(self):
+    if len(self._actors) > 1:
+      return self.full_publication(_CALL_TIMEOUT_S).params
     return self._call_get("published", False, 0.0).params
 
   # The event tape: a learner process records no takes or applies yet (runtime/event_tape.py
@@ -525,15 +743,21 @@ class RemoteLearner:
       snapshot = dataclasses.replace(snapshot, data_state=self.data_state)
     incarnation = self.incarnation + 1
     import ray  # pylint: disable=g-import-not-at-top
-    wait_until_up(self._actor, f"learner {self.index}")
-    pid = ray.get(self._actor.restore.remote(
-        snapshot, incarnation, sign(self._secret, "restore", self.index, incarnation)),
-                  timeout=_CALL_TIMEOUT_S * 5)
-    logging.info("learner %d pid %d (incarnation %d)", self.index, pid, incarnation)
-    return RemoteLearner(self.index, self._actor, secret=self._secret, port=self._port,
+    for actor in self._actors:
+      wait_until_up(actor, f"learner {self.index}")
+    if len(self._actors) > 1:
+      # Fresh processes (a failure ends all of them, `_fail_group`): a new jax.distributed job.
+      join_group(self._actors, self.index, self._secret)
+    mac = sign(self._secret, "restore", self.index, incarnation)
+    pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in self._actors],
+                   timeout=_CALL_TIMEOUT_S * 5)
+    for i, pid in enumerate(pids):
+      logging.info("learner %d pid %d (incarnation %d%s)", self.index, pid, incarnation,
+                   f", process {i} of {len(pids)}" if len(pids) > 1 else "")
+    return RemoteLearner(self.index, self.actor, secret=self._secret, port=self._port,
                          metrics=self._metrics, layout=self.layout, like=self.state_like,
                          num_devices=self.num_devices, device_kind=self.device_kind,
-                         incarnation=incarnation, pid=pid, data_state=snapshot.data_state,
+                         incarnation=incarnation, pid=pids, data_state=snapshot.data_state,
                          step_hook=self._step_hook)
 
   def process_up(self) -> bool:
@@ -542,13 +766,13 @@ class RemoteLearner:
     time, so a rejoin takes its peer's state once there is a process to hand it to."""
     import ray  # pylint: disable=g-import-not-at-top
     if self._up_ref is None:
-      self._up_ref = self._actor.pid.remote()
-    ready, _ = ray.wait([self._up_ref], timeout=0)
-    if not ready:
+      self._up_ref = [a.pid.remote() for a in self._actors]
+    ready, _ = ray.wait(self._up_ref, num_returns=len(self._up_ref), timeout=0)
+    if len(ready) < len(self._up_ref):
       return False
-    ref, self._up_ref = self._up_ref, None
+    refs, self._up_ref = self._up_ref, None
     try:
-      ray.get(ref, timeout=0)
+      ray.get(refs, timeout=0)
       return True
     except Exception:  # pylint: disable=broad-except
       return False  # still restarting: ask again at the next poll
@@ -557,11 +781,85 @@ class RemoteLearner:
     """Stops watching and ends the learner's process (the run is over)."""
     import ray  # pylint: disable=g-import-not-at-top
     self._stopped.set()
-    ray.kill(self._actor, no_restart=True)
+    for actor in self._actors:
+      ray.kill(actor, no_restart=True)
 
   def kill(self) -> None:
-    """SIGKILL to the learner's process, as a user's `kill -9` or the OOM killer would."""
-    os.kill(self.pid, signal.SIGKILL)
+    """SIGKILL to the learner's process (all of them), as a user's `kill -9` or the OOM killer
+    would."""
+    for pid in self.pids:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass  # gone already
+
+  def check_replicas(self) -> bool | None:
+    """A multi-process learner after its last step: whether every copy of every piece of its
+    parameters, on every device of every process, is the same (processes that applied a merge at
+    different steps would hold different copies, and train on silently). Sets `replicas_agree`;
+    None for a learner of one process, or one that failed."""
+    import ray  # pylint: disable=g-import-not-at-top
+    if len(self._actors) == 1 or self.error is not None:
+      return None
+    try:
+      parts = ray.get([a.replica_digests.remote(self.incarnation, self._mac("replica_digests"))
+                       for a in self._actors], timeout=_CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      return None
+    copies: dict[str, set[str]] = {}
+    for part in parts:
+      for piece, digests in part.items():
+        copies.setdefault(piece, set()).update(digests)
+    differ = sorted(piece for piece, digests in copies.items() if len(digests) > 1)
+    self.replicas_agree = not differ
+    if differ:
+      logging.error("learner %d: its processes hold different copies of %d parameter piece(s), "
+                    "e.g. %s", self.index, len(differ), differ[:3])
+    return self.replicas_agree
+
+  def _fail_group(self, error: BaseException, *, say_exit: bool = True) -> None:
+    """A multi-process learner whose process died or failed: the others, which would wait for it
+    in their next agreement or collective, are ended too. Ray restarts all of them, and the
+    learner rejoins as a whole (a new jax.distributed job)."""
+    if self.error is None:
+      self.failed_at = self.failed_at or time.monotonic()
+      self.error = error
+      if say_exit:
+        # What a failed learner thread posts last, said for a process that cannot say it (killed,
+        # or about to be ended with its group): the syncer stops counting on it, and its final
+        # flush does not wait for a learner that was given up (config.max_restarts).
+        self._port.post(messages.LearnerExit(self.index, self.step, repr(error),
+                                             self.incarnation))
+      if len(self._actors) > 1:
+        logging.warning("%s; ending its other processes (pids %s)", error, self.pids)
+      else:
+        logging.warning("%s", error)
+    # As a failed learner thread does: it trains no more. (Without this, a learner given up after
+    # config.max_restarts kept the run waiting for its last step forever.)
+    self.finished_training.set()
+    if len(self._actors) > 1:
+      self.kill()
+
+  def _watch_other(self, i: int) -> None:
+    """Watches process i of a multi-process learner (its leader's watcher reads the rest)."""
+    import ray  # pylint: disable=g-import-not-at-top
+    actor = self._actors[i]
+    while not self._stopped.is_set() and self.error is None:
+      try:
+        status = ray.get(actor.poll.remote(_POLL_S), timeout=_CALL_TIMEOUT_S)
+      except Exception as err:  # pylint: disable=broad-except
+        if not self._stopped.is_set():
+          self._fail_group(LearnerProcessDied(
+              f"learner {self.index} (incarnation {self.incarnation}): its process {i}, pid "
+              f"{self.pids[i]}, is gone ({type(err).__name__})"))
+        return
+      if status["incarnation"] != self.incarnation:
+        continue
+      if status["error"] is not None:
+        self._fail_group(RuntimeError(f"learner {self.index} process {i}: {status['error']}"))
+        return
+      if not status["thread_alive"]:
+        return
 
   # ---- the watcher -----------------------------------------------------------------------------
 
@@ -572,10 +870,9 @@ class RemoteLearner:
       except Exception as err:  # pylint: disable=broad-except
         if self._stopped.is_set():
           return
-        self.failed_at = time.monotonic()
-        self.error = LearnerProcessDied(f"learner {self.index} (incarnation {self.incarnation}, "
-                                        f"pid {self.pid}): its process is gone ({type(err).__name__})")
-        logging.warning("%s", self.error)
+        self._fail_group(LearnerProcessDied(
+            f"learner {self.index} (incarnation {self.incarnation}, pid {self.pid}): its process "
+            f"is gone ({type(err).__name__})"))
         return
       if status["incarnation"] != self.incarnation:
         continue  # the process was restored for a later incarnation: this view is retired
@@ -592,7 +889,8 @@ class RemoteLearner:
       for kind, record, step, scalars in status["records"]:
         self._metrics.write(kind, record, step=step, scalars=scalars)
       if status["error"] is not None:
-        self.error = RuntimeError(status["error"])
+        # Its process posted the learner's exit itself (forwarded above).
+        self._fail_group(RuntimeError(status["error"]), say_exit=False)
         return
       if not status["thread_alive"]:
         return  # ended (released after the flush)
@@ -622,32 +920,70 @@ class RemoteLearner:
       self.finished_training.set()
 
 
+def join_group(actors, index: int, secret: bytes) -> list[int]:
+  """Starts a multi-process learner's jax.distributed job (the leader's host is its coordinator)
+  and builds the learner in every process; returns their pids."""
+  import ray  # pylint: disable=g-import-not-at-top
+  coordinator = ray.get(actors[0].coordinator.remote(), timeout=_CALL_TIMEOUT_S)
+  mac = sign(secret, "join_group", index, 0, coordinator)
+  return ray.get([a.join_group.remote(coordinator, mac) for a in actors],
+                 timeout=_CALL_TIMEOUT_S * 5)
+
+
 def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, metrics, layout,
                    cuts: dict[int, Any], step_hook=None) -> list[RemoteLearner]:
-  """One actor per learner, each in its own process; logs `learner M pid N` for each.
+  """One actor per learner, each in its own process, or config.ray.processes_per_learner actors
+  per learner, each with its share of the learner's devices; logs `learner M pid N` for each.
 
   `secret`: this job's MAC key (only the command, its syncer and its learners hold it); `cuts`:
   learner -> its `checkpoints.LearnerCut` in a resumed run."""
   import ray  # pylint: disable=g-import-not-at-top
   actor_class = ray.remote(LearnerProcess)
-  actors = []
+  processes = settings.ray.processes_per_learner
+  groups = []
   for m, shape in enumerate(settings.learner_mesh_shapes):
     env = {"JAX_PLATFORMS": settings.devices.platform}
     if settings.devices.platform == "cpu":
-      env["XLA_FLAGS"] = devices_lib.xla_flags_with_device_count(math.prod(shape))
-    actors.append(actor_class.options(
-        name=f"learner-{m}-{secrets.token_hex(4)}", max_restarts=max(settings.max_restarts, 0),
-        max_concurrency=8, num_cpus=1, runtime_env={"env_vars": env},
-    ).remote(settings, m, secret, cuts.get(m)))
+      env["XLA_FLAGS"] = devices_lib.xla_flags_with_device_count(math.prod(shape) // processes)
+    tag = secrets.token_hex(4)
+    placement = {}
+    if processes > 1:
+      # One process per host: a placement group of one bundle per process, spread over distinct
+      # nodes on a cluster (a restarted actor comes back in its bundle, on the same node). A
+      # local Ray is one node: packed there.
+      from ray.util import placement_group  # pylint: disable=g-import-not-at-top
+      from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pylint: disable=g-import-not-at-top
+      group = placement_group([{"CPU": 1}] * processes,
+                              strategy="STRICT_SPREAD" if settings.ray.address else "PACK")
+      if not group.wait(_CALL_TIMEOUT_S):
+        raise RuntimeError(
+            f"learner {m}: Ray could not place config.ray.processes_per_learner={processes} "
+            f"processes on distinct nodes within {_CALL_TIMEOUT_S:.0f} s (a cluster needs one node "
+            "per process of a learner)")
+      placement = {i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+                   for i in range(processes)}
+    groups.append([actor_class.options(
+        name=f"learner-{m}-{tag}" + (f"-{i}" if processes > 1 else ""),
+        max_restarts=max(settings.max_restarts, 0),
+        # A multi-process learner's pulls wait in the call for the next step boundary.
+        max_concurrency=8 if processes == 1 else 64, num_cpus=1, runtime_env={"env_vars": env},
+        **({"scheduling_strategy": placement[i]} if placement else {}),
+    ).remote(settings, m, secret, cuts.get(m), i) for i in range(processes)])
   learners = []
-  for m, actor in enumerate(actors):
-    pid = ray.get(actor.pid.remote(), timeout=_CALL_TIMEOUT_S * 5)
-    logging.info("learner %d pid %d", m, pid)
+  for m, actors in enumerate(groups):
+    if processes > 1:
+      pids = join_group(actors, m, secret)
+    else:
+      pids = [ray.get(actors[0].pid.remote(), timeout=_CALL_TIMEOUT_S * 5)]
+    for i, pid in enumerate(pids):
+      logging.info("learner %d pid %d%s", m, pid,
+                   f" (process {i} of {processes})" if processes > 1 else "")
     learners.append(RemoteLearner(
-        m, actor, secret=secret, port=port, metrics=metrics, layout=layout, like=None,
+        m, actors if processes > 1 else actors[0], secret=secret, port=port, metrics=metrics,
+        layout=layout, like=None,
         num_devices=math.prod(settings.learner_mesh_shapes[m]),
         device_kind="cpu" if settings.devices.platform == "cpu"
         else settings.devices.platform,
-        incarnation=cuts[m].incarnation if m in cuts else 0, pid=pid,
-        step_hook=step_hook))
+        incarnation=cuts[m].incarnation if m in cuts else 0,
+        pid=pids if processes > 1 else pids[0], step_hook=step_hook))
   return learners

@@ -229,7 +229,8 @@ def build(settings: settings_lib.RunSettings, *,
 
   secret = secrets.token_bytes(32)  # runtime=ray: this job's MAC key (runtime/ray_runtime.py)
   if in_processes:
-    ray_runtime.start_ray(settings.ray.address, settings.num_learners)
+    ray_runtime.start_ray(settings.ray.address,
+                          settings.num_learners * settings.ray.processes_per_learner)
 
   def make_syncer():
     """A syncer at the initial Theta, compiled (at start-up, and again after a crash): in this
@@ -592,6 +593,8 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
       syncer.join()
       _check_syncer(syncer)
     if settings.runtime == "ray":
+      for learner in learners:
+        learner.check_replicas()  # a learner over several processes: are they still one?
       ray_runtime.shutdown(list(learners) + [syncer])
     saver.close()
   except BaseException:
@@ -757,6 +760,11 @@ class _Checkpointer:
              ) -> str | None:
     run = self._run
     if cut is None:
+      return None
+    if not cut.publications:
+      # Every learner was down at the cut: no state to resume from (the syncer's alone is not a
+      # job). The next cut is tried at the next interval.
+      logging.warning("checkpoint skipped: no learner was up at the cut")
       return None
     if train_seconds is None:
       train_seconds = time.perf_counter() - self.train_started
@@ -1126,6 +1134,9 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "learner_steps": final_steps,
       "learner_steps_per_s": [len(l.step_times) / max(sum(l.step_times), 1e-9) for l in learners],
       "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
+      # config.ray.processes_per_learner > 1: whether each learner's processes ended holding the
+      # same copies of every parameter piece (None: a learner of one process).
+      "learner_replicas_agree": [getattr(l, "replicas_agree", None) for l in learners],
       "merges": stats.merges,
       "merges_due": stats.merges_due,
       "merges_before_flush": stats.merges - stats.final_merges,
