@@ -79,12 +79,14 @@ def _broadcast(run, offer: messages.Offer, version: int, shift: float) -> messag
                             {0: offer.step})
 
 
-def _pull(pair, request: str) -> list:
+def _pull(pair) -> list:
+  """The leader answers from its latest publication; the follower gives the same publication's
+  fragment (and records the take at the next boundary). Independent copies answer each alone."""
   leader, follower = pair
+  offer = leader.offer(P, 0)
   if leader._group is not None:
-    leader.ask_offer(request, P, 0)
-    return [leader.answer(request, 30.0), follower.answer(request, 30.0)]
-  return [leader.offer(P, 0), follower.offer(P, 0)]
+    return [offer, follower.offer_of(P, offer.step, offer.publication, 30.0)]
+  return [offer, follower.offer(P, 0)]
 
 
 def _drive(run, pair):
@@ -97,7 +99,7 @@ def _drive(run, pair):
   for version, at_step in ((1, 4), (2, 9)):
     while leader.step < at_step:
       time.sleep(0.005)
-    answers.append(_pull(pair, f"pull-{version}"))
+    answers.append(_pull(pair))
     broadcast = _broadcast(run, answers[-1][0], version, shift=0.125 * version)
     leader.deliver(broadcast)
     threading.Timer(0.3, follower.deliver, args=(broadcast,)).start()

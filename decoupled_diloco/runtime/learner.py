@@ -31,9 +31,12 @@ offered; the syncer's robust merge rejects it.
 
 A learner over several processes (`group`, one per host: runtime/ray_runtime.py) is this same
 learner in every process, in lock-step. At every step boundary they agree on what changes their
-state: the leader proposes the broadcasts it holds, the syncer's pulls (`ask_offer`; each process
-answers with its own pieces, `answer`), a capture of the whole state (`capture`), a stop and a
-release, and every process does exactly that, in that order (`_boundary`).
+state: the leader proposes the takes the syncer made of its publications since the last boundary,
+the broadcasts it holds, a capture of the whole state (`capture`), a stop and a release, and every
+process does exactly that, in that order (`_boundary`). A pull does not wait for a boundary: the
+leader answers it from its latest publication (`offer`), as a learner of one process does, and the
+others give their pieces of the same publication (`offer_of`), which each process keeps among its
+last few.
 
 Memory beyond a data-parallel learner: the host copies of its anchors (4 bytes per parameter), and
 on its devices the fragments of the offers the syncer took and has not merged yet (the last one per
@@ -157,7 +160,11 @@ def host_array(x: Any) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-_MAX_AGREED = 32  # broadcasts, and pulls, one boundary of a multi-process learner takes up
+_MAX_AGREED = 32  # broadcasts one boundary of a multi-process learner applies at most
+# Publications a process of a multi-process learner other than the leader keeps at most. Each
+# boundary drops those older than the leader's latest (later pulls take from it or newer ones),
+# which leaves the few made since: at most a boundary's worth.
+_RECENT_PUBLICATIONS = 16
 _ARRIVAL_TIMEOUT_S = 120.0  # how long a process waits for a broadcast its leader applies
 
 
@@ -298,12 +305,12 @@ class Learner:
     self._tape_seq = 0  # this learner's events on the event tape so far
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     # A learner over several processes (`group`): the broadcasts taken from the inbox and not yet
-    # applied, the leader's pulls waiting for the next boundary (request, p, merged_through), each
-    # process's answers to them, its captures of the whole state (boundary -> publication of host
-    # shards), and the stop and release agreed.
+    # applied, the leader's takes since the last boundary (p, step, publication), each process's
+    # last publications ((step, index) -> publication) and captures of the whole state (boundary
+    # -> publication of host shards), and the stop and release agreed.
     self._arrived: list[messages.Broadcast] = []
-    self._pulls: list[tuple[str, int, int]] = []
-    self._answers: dict[str, messages.Offer | messages.Answer] = {}
+    self._takes: list[tuple[int, int, int]] = []
+    self._recent: dict[tuple[int, int], messages.Publication] = {}
     self._captures: dict[int, messages.Publication] = {}
     self._boundaries = 0
     self._agreed = threading.Condition()
@@ -342,6 +349,7 @@ class Learner:
     self._trace = (profiling.StepTrace(*options.profile_steps, options.profile_dir)
                    if options.profile_steps else None)
     self._published: messages.Publication = self._publication(self._state)
+    self._keep_recent(self._published)
     self._thread = threading.Thread(target=self._run, name=f"learner-{index}", daemon=True)
 
   # ---- called from other threads -------------------------------------------------------------
@@ -364,6 +372,8 @@ class Learner:
     offer = self._offer_from(published, p)
     with self._lock:
       self._record_taken(offer)
+      if self._group is not None:
+        self._takes.append((int(p), int(offer.step), int(offer.publication)))
     return offer
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
@@ -404,24 +414,22 @@ class Learner:
 
   # ---- a learner over several processes: called from other threads ----------------------------
 
-  def ask_offer(self, request: str, p: int, merged_through: int) -> None:
-    """The leader: the syncer's pull `request` of fragment p, answered by every process at the
-    next boundary (`answer`)."""
-    with self._lock:
-      self._pulls.append((str(request), int(p), int(merged_through)))
-    self._news.set()
-
-  def answer(self, request: str, timeout_s: float) -> messages.Offer | messages.Answer:
-    """This process's answer to the pull `request` (its offer's values are its own pieces), once
-    the boundary that took it has passed; UNREACHABLE if none within `timeout_s`."""
+  def offer_of(self, p: int, step: int, publication: int, timeout_s: float
+               ) -> messages.Offer | None:
+    """Another process than the leader: fragment p of its publication (step, publication), which
+    the leader's `offer` just took from its own (this process makes it soon, if it has not yet).
+    Not recorded as taken here: the leader's next proposal says so. None if this process has no
+    such publication (any more) within `timeout_s`."""
+    key = (int(step), int(publication))
     deadline = time.monotonic() + timeout_s
     with self._agreed:
-      while request not in self._answers:
+      while key not in self._recent:
         left = deadline - time.monotonic()
-        if left <= 0 or self.error is not None or not self._thread.is_alive():
-          return messages.Answer.UNREACHABLE
+        if (left <= 0 or self.error is not None or (self._recent and min(self._recent) > key)):
+          return None
         self._agreed.wait(min(left, 0.5))
-      return self._answers.pop(request)
+      published = self._recent[key]
+    return dataclasses.replace(self._offer_from(published, p), publication=key[1])
 
   def capture(self, timeout_s: float, *, after: int = -1, boundary: int | None = None
               ) -> tuple[int, messages.Publication] | None:
@@ -708,7 +716,20 @@ class Learner:
 
   def _publish(self, state: inner.TrainState) -> messages.Publication:
     self._published = self._publication(state)
+    self._keep_recent(self._published)
     return self._published
+
+  def _keep_recent(self, published: messages.Publication) -> None:
+    """A process of a multi-process learner other than the leader keeps its publications from
+    the leader's latest one on (as of the last boundary), for the pulls the leader answers from
+    its own (`offer_of`)."""
+    if self._group is None or self._group.leader:
+      return
+    with self._agreed:
+      self._recent[(published.step, published.index)] = published
+      while len(self._recent) > _RECENT_PUBLICATIONS:  # a bound; boundaries drop them sooner
+        del self._recent[min(self._recent)]
+      self._agreed.notify_all()
 
   def _offer_from(self, published: messages.Publication, p: int) -> messages.Offer:
     names = self._fragments[p].names
@@ -744,15 +765,30 @@ class Learner:
     proposal = None
     if self._group.leader:
       with self._lock:
-        pulls, self._pulls = self._pulls[:_MAX_AGREED], self._pulls[_MAX_AGREED:]
-      proposal = {"apply": [_broadcast_key(b) for b in self._arrived[:_MAX_AGREED]],
-                  "pull": pulls, "capture": bool(time.monotonic() < self._full_until),
+        takes, self._takes = self._takes, []
+      # Later takes come from this publication or a newer one: the others keep no older ones.
+      keep_from = [self._published.step, self._published.index]
+      proposal = {"take": takes, "keep_from": keep_from,
+                  "apply": [_broadcast_key(b) for b in self._arrived[:_MAX_AGREED]],
+                  "capture": bool(time.monotonic() < self._full_until),
                   "stop": self._stop.is_set(), "release": self._release.is_set()}
     agreed = self._group.agree(proposal)
+    if not self._group.leader:
+      # The leader recorded its takes when it made them; the others record them now, before the
+      # broadcasts that may name them.
+      for p, step, publication in agreed["take"]:
+        published = self._recent.get((step, publication))
+        if published is None:
+          raise RuntimeError(f"learner {self.index}: the leader took fragment {p} from publication "
+                             f"{(step, publication)}, which this process no longer holds")
+        offer = dataclasses.replace(self._offer_from(published, p), publication=publication)
+        with self._lock:
+          self._record_taken(offer)
+      with self._agreed:
+        for key in [k for k in self._recent if k < tuple(agreed["keep_from"])]:
+          del self._recent[key]
     for key in agreed["apply"]:
       self._apply(self._arrived_broadcast(tuple(key)))
-    answers = {request: self.offer(p, merged_through)
-               for request, p, merged_through in agreed["pull"]}
     capture = None
     if agreed["capture"]:
       state = self._state
@@ -761,9 +797,6 @@ class Learner:
           opt_state=local_shards(state.opt_state), state_step=local_shards(state.step))
     with self._agreed:
       self._boundaries += 1
-      self._answers.update(answers)
-      while len(self._answers) > 4 * _MAX_AGREED:  # asked of this process, never collected
-        del self._answers[next(iter(self._answers))]
       if capture is not None:
         self._captures[self._boundaries] = capture
         while len(self._captures) > 3:

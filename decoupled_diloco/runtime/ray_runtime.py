@@ -273,16 +273,22 @@ class LearnerProcess:
       self._build(self._cut)
     return os.getpid()
 
-  def offer_part(self, request: str, p: int, merged_through: int, incarnation: int, mac: str):
-    """A multi-process learner's answer to a pull: the leader asks for it at the next boundary;
-    every process answers with its own pieces of the fragment (`learner.local_shards`)."""
+  def offer_part(self, p: int, merged_through: int, incarnation: int, mac: str):
+    """The leader of a multi-process learner: a pull, answered at once from its latest
+    publication as a learner of one process answers it, with its own pieces of the fragment
+    (`learner.local_shards`); the others give theirs of the same publication (`offer_piece`)."""
     self._check(mac, "offer", incarnation, f"{p}")
-    if self._process == 0:
-      self._learner.ask_offer(request, p, merged_through)
-    answer = self._learner.answer(request, _CALL_TIMEOUT_S)
+    answer = self._learner.offer(p, merged_through)
     if isinstance(answer, messages.Offer):
       answer = dataclasses.replace(answer, values=learner_lib.local_shards(answer.values))
     return answer
+
+  def offer_piece(self, p: int, step: int, publication: int, incarnation: int, mac: str):
+    """Another process of a multi-process learner: its pieces of fragment p of the publication
+    its leader just answered a pull from; None if it does not hold that publication."""
+    self._check(mac, "offer_piece", incarnation, f"{p}:{step}:{publication}")
+    offer = self._learner.offer_of(p, step, publication, _CALL_TIMEOUT_S)
+    return None if offer is None else learner_lib.local_shards(offer.values)
 
   def group_published(self, full: bool, timeout_s: float, incarnation: int, mac: str):
     """The leader: (boundary, its capture of the whole state there) if `full` (asked for, within
@@ -476,29 +482,66 @@ class PendingRay(messages.PendingAnswer):
 
 
 class PendingGroup(messages.PendingAnswer):
-  """A multi-process learner's answers to one pull, each process's pieces on their way."""
+  """A multi-process learner's answer to a pull, on its way: the leader's answer, then the other
+  processes' pieces of the same publication, put together."""
 
-  def __init__(self, refs):
-    self._refs = refs
+  def __init__(self, actors, p: int, merged_through: int, incarnation: int, sign_call):
+    """`sign_call(method, detail)`: a call's MAC."""
+    self._actors, self._p, self._incarnation, self._sign = actors, p, incarnation, sign_call
+    self._leader = actors[0].offer_part.remote(p, merged_through, incarnation,
+                                               sign_call("offer", f"{p}"))
+    self._pieces = None  # refs of the other processes' pieces, once the leader has answered
+    self._answer = None
+
+  def _leader_answered(self) -> bool:
+    """Whether the leader has answered (then the others are asked for their pieces)."""
+    import ray  # pylint: disable=g-import-not-at-top
+    if self._answer is not None:
+      return True
+    ready, _ = ray.wait([self._leader], timeout=0, fetch_local=True)
+    if not ready:
+      return False
+    self._take_leader(timeout=0)
+    return True
+
+  def _take_leader(self, timeout: float) -> None:
+    import ray  # pylint: disable=g-import-not-at-top
+    try:
+      self._answer = ray.get(self._leader, timeout=timeout)
+    except Exception:  # pylint: disable=broad-except
+      self._answer = messages.Answer.UNREACHABLE
+    if isinstance(self._answer, messages.Offer):
+      step, publication = self._answer.step, self._answer.publication
+      mac = self._sign("offer_piece", f"{self._p}:{step}:{publication}")
+      self._pieces = [a.offer_piece.remote(self._p, step, publication, self._incarnation, mac)
+                      for a in self._actors[1:]]
 
   @property
   def in_host_memory(self) -> bool:
     import ray  # pylint: disable=g-import-not-at-top
-    ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0, fetch_local=True)
-    return len(ready) == len(self._refs)
+    if not self._leader_answered():
+      return False
+    if self._pieces is None:
+      return True  # STALE, NOTHING or unreachable: nothing more to fetch
+    ready, _ = ray.wait(self._pieces, num_returns=len(self._pieces), timeout=0, fetch_local=True)
+    return len(ready) == len(self._pieces)
 
   def result(self) -> messages.Offer | messages.Answer:
     import ray  # pylint: disable=g-import-not-at-top
-    try:
-      answers = ray.get(self._refs, timeout=_CALL_TIMEOUT_S)
-    except Exception:  # pylint: disable=broad-except
-      return messages.Answer.UNREACHABLE
-    first = answers[0]
+    if self._answer is None:
+      self._take_leader(timeout=_CALL_TIMEOUT_S)
+    first = self._answer
     if not isinstance(first, messages.Offer):
-      return first  # the processes agree: each answered the same pull on the same state
-    if not all(isinstance(a, messages.Offer) and a.step == first.step for a in answers):
+      return first
+    try:
+      pieces = ray.get(self._pieces, timeout=_CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      pieces = [None]
+    if any(piece is None for piece in pieces):
+      # Another process lost the publication or died. The leader recorded the take; a merge
+      # without this offer treats its steps as not merged, as after any lost answer.
       return messages.Answer.UNREACHABLE
-    values = learner_lib.assemble([a.values for a in answers])
+    values = learner_lib.assemble([first.values, *pieces])
     return dataclasses.replace(first, values={n: np.asarray(v, np.float32)
                                               for n, v in values.items()})
 
@@ -556,9 +599,7 @@ class ActorLearnerLink:
 
   def offer(self, p: int, merged_through: int) -> messages.PendingAnswer:
     if len(self._actors) > 1:
-      request, mac = secrets.token_hex(8), self._mac("offer", f"{p}")
-      return PendingGroup([a.offer_part.remote(request, p, merged_through, self._incarnation, mac)
-                           for a in self._actors])
+      return PendingGroup(self._actors, p, merged_through, self._incarnation, self._mac)
     return PendingRay(self._actor.offer.remote(p, merged_through, self._incarnation,
                                                self._mac("offer", f"{p}")))
 
@@ -594,7 +635,7 @@ class RemoteLearner:
 
   def __init__(self, index: int, actor, *, secret: bytes, port, metrics, layout, like,
                num_devices: int, device_kind: str, incarnation: int = 0, pid=None,
-               data_state: bytes | None = None, step_hook=None):
+               data_state: bytes | None = None, step_hook=None, placement=None):
     """`actor`, `pid`: the learner's process, or the lists of its processes (leader first)."""
     self.index, self.incarnation = index, incarnation
     self._actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
@@ -603,6 +644,7 @@ class RemoteLearner:
     self.layout, self.state_like = layout, like
     self.num_devices, self.device_kind = num_devices, device_kind
     self.pid = self.pids[0]
+    self._placement = placement  # a multi-process learner's placement group (all incarnations)
     self.step = self.start_step = self.steps_made = 0
     self.losses: list[float] = []
     self.step_times: list[float] = []
@@ -758,7 +800,7 @@ class RemoteLearner:
                          metrics=self._metrics, layout=self.layout, like=self.state_like,
                          num_devices=self.num_devices, device_kind=self.device_kind,
                          incarnation=incarnation, pid=pids, data_state=snapshot.data_state,
-                         step_hook=self._step_hook)
+                         step_hook=self._step_hook, placement=self._placement)
 
   def process_up(self) -> bool:
     """Whether this learner's process answers (after a death: whether Ray has restarted it and its
@@ -783,6 +825,9 @@ class RemoteLearner:
     self._stopped.set()
     for actor in self._actors:
       ray.kill(actor, no_restart=True)
+    if self._placement is not None:
+      from ray.util import remove_placement_group  # pylint: disable=g-import-not-at-top
+      remove_placement_group(self._placement)  # its CPUs back to the cluster
 
   def kill(self) -> None:
     """SIGKILL to the learner's process (all of them), as a user's `kill -9` or the OOM killer
@@ -941,6 +986,7 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
   actor_class = ray.remote(LearnerProcess)
   processes = settings.ray.processes_per_learner
   groups = []
+  groups_placed = {}  # learner -> its placement group (multi-process learners)
   for m, shape in enumerate(settings.learner_mesh_shapes):
     env = {"JAX_PLATFORMS": settings.devices.platform}
     if settings.devices.platform == "cpu":
@@ -958,8 +1004,9 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
       if not group.wait(_CALL_TIMEOUT_S):
         raise RuntimeError(
             f"learner {m}: Ray could not place config.ray.processes_per_learner={processes} "
-            f"processes on distinct nodes within {_CALL_TIMEOUT_S:.0f} s (a cluster needs one node "
-            "per process of a learner)")
+            f"processes within {_CALL_TIMEOUT_S:.0f} s (a cluster needs a node per process of a "
+            "learner, each with a free CPU)")
+      groups_placed[m] = group
       placement = {i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
                    for i in range(processes)}
     groups.append([actor_class.options(
@@ -985,5 +1032,6 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
         device_kind="cpu" if settings.devices.platform == "cpu"
         else settings.devices.platform,
         incarnation=cuts[m].incarnation if m in cuts else 0,
-        pid=pids if processes > 1 else pids[0], step_hook=step_hook))
+        pid=pids if processes > 1 else pids[0], step_hook=step_hook,
+        placement=groups_placed.get(m)))
   return learners
