@@ -37,6 +37,22 @@ def local_ray(tmp_path_factory):
   ray.shutdown()
 
 
+def _kill_once(run, learner: int, at_step: int, kill) -> threading.Thread:
+  """A started thread that calls kill() once `learner` has made `at_step` steps (within 120 s)."""
+
+  def wait_then_kill():
+    deadline = time.monotonic() + 120
+    while run.learners[learner].step < at_step:
+      if time.monotonic() > deadline:
+        return
+      time.sleep(0.01)
+    kill()
+
+  killer = threading.Thread(target=wait_then_kill, daemon=True)
+  killer.start()
+  return killer
+
+
 def _settings(tmp_path, **overrides):
   fields = dict(runtime="ray", num_learners=2, num_steps=32, checkpoint__every_steps=0,
                 learner_mesh_shapes=((1, 1),), compilation_cache_dir=_CACHE["dir"])
@@ -70,17 +86,11 @@ def test_a_learner_and_the_syncer_killed_by_hand_are_restarted_and_training_goes
   killed = {}
 
   def kill_both():
-    deadline = time.monotonic() + 120
-    while run.learners[1].step < 4:
-      if time.monotonic() > deadline:
-        return
-      time.sleep(0.01)
     killed["step"], killed["syncer_pid"] = run.learners[0].step, run.syncer.pid
     os.kill(run.learners[1].pid, signal.SIGKILL)
     os.kill(killed["syncer_pid"], signal.SIGKILL)
 
-  killer = threading.Thread(target=kill_both, daemon=True)
-  killer.start()
+  killer = _kill_once(run, 1, 4, kill_both)
   summary = train.execute(run, progress=False)
   killer.join()
   assert killed and killed["step"] < 40  # learner 0 had most of its steps ahead of it
@@ -228,16 +238,10 @@ def test_a_killed_process_of_a_multi_process_learner_takes_its_learner_down_and_
   killed = {}
 
   def kill_one():
-    deadline = time.monotonic() + 120
-    while run.learners[1].step < 4:
-      if time.monotonic() > deadline:
-        return
-      time.sleep(0.01)
     killed["step"] = run.learners[0].step
     os.kill(first_pids[1][1], signal.SIGKILL)
 
-  killer = threading.Thread(target=kill_one, daemon=True)
-  killer.start()
+  killer = _kill_once(run, 1, 4, kill_one)
   summary = train.execute(run, progress=False)
   killer.join()
   assert killed and killed["step"] < 40

@@ -694,8 +694,12 @@ class Learner:
     self._copied = (state, copy)
     return copy
 
-  def _publication(self, state: inner.TrainState) -> messages.Publication:
-    state = self._publishable(state)
+  def _publication(self, state: inner.TrainState, publishable: bool = True
+                   ) -> messages.Publication:
+    """A publication of `state`; `publishable=False` refers to `state` itself, without the copies
+    that a donated state needs (a capture copies it to the host at once)."""
+    if publishable:
+      state = self._publishable(state)
     previous = getattr(self, "_published", None)
     index = previous.index + 1 if previous is not None and previous.step == self.step else 0
     return messages.Publication(
@@ -754,9 +758,10 @@ class Learner:
     """Applies the merges that arrived; a learner over several processes returns how many
     broadcasts it took.
 
-    A learner over several processes agrees first: the leader proposes the broadcasts it has,
-    the pulls, whether to capture the whole state, a stop and a release; every process then does
-    exactly that, in that order, so that all keep the same state and run the same programs.
+    A learner over several processes agrees first: the leader proposes the takes it made since
+    the last boundary, the broadcasts it has, whether to capture the whole state, a stop and a
+    release; every process then does exactly that, in that order, so that all keep the same state
+    and run the same programs.
     """
     if self._group is None:
       self._apply_arrived()
@@ -793,7 +798,7 @@ class Learner:
     if agreed["capture"]:
       state = self._state
       capture = dataclasses.replace(
-          self._publication(state), params=local_shards(dict(state.params)),
+          self._publication(state, publishable=False), params=local_shards(dict(state.params)),
           opt_state=local_shards(state.opt_state), state_step=local_shards(state.step))
     with self._agreed:
       self._boundaries += 1

@@ -28,11 +28,12 @@ A learner over several hosts (config.ray.processes_per_learner = K > 1) is K act
 (a placement group spreads them over distinct nodes of a cluster), that join a jax.distributed job
 of their own and run the same `Learner` in lock-step on the learner's global mesh; the leader,
 process 0, proposes at every step boundary what changes their state, and all of them do it
-(`learner.ProcessGroup`, `_Agreement`). Broadcasts go to all K; a pull is answered by all K at the
-next boundary, each with its own pieces of the fragment, put together where the answer lands
-(`PendingGroup`); a full state (a cut, a peer's rejoin) likewise (`gather_published`). A process
-that dies or fails takes the learner's others down (`RemoteLearner._fail_group`), and the learner
-rejoins as a whole in K fresh processes.
+(`learner.ProcessGroup`, `_Agreement`). Broadcasts go to all K. The leader answers a pull at once
+from its latest publication; the others then give their pieces of that publication, put together
+where the answer lands (`PendingGroup`); a full state (a cut, a peer's rejoin) is captured by all
+K at one boundary and put together likewise (`gather_published`). A process that dies or fails
+takes the learner's others down (`RemoteLearner._fail`), and the learner rejoins as a whole in K
+fresh processes.
 
 The controller stays in the driver's process; the syncer is an actor of its own
 (`runtime/ray_syncer.py`).
@@ -264,8 +265,7 @@ class LearnerProcess:
       raise RejectedCall(f"learner {self._index}: join_group without a valid MAC")
     if self._learner is None:
       if self._settings.devices.platform == "cpu":
-        devices_lib.request_fake_cpu_devices(
-            math.prod(self._settings.learner_mesh_shapes[self._index]) // self._processes)
+        # Before JAX starts its backends (its device count: the actor's XLA_FLAGS).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
       jax.distributed.initialize(coordinator_address=coordinator,
                                  num_processes=self._processes, process_id=self._process,
@@ -297,8 +297,9 @@ class LearnerProcess:
     self._check(mac, "published", incarnation)
     learner = self._learner
     if full or learner.wants_full_state():
-      found = learner.capture(timeout_s if full else 0.0, after=learner.boundaries - 1
-                              if full else -1)
+      # Asked for: the capture of the last boundary or a later one. Wanted anyway: any kept.
+      after = learner.boundaries - 1 if full else -1
+      found = learner.capture(timeout_s if full else 0.0, after=after)
       if found is not None:
         return found
       if full:
@@ -788,7 +789,7 @@ class RemoteLearner:
     for actor in self._actors:
       wait_until_up(actor, f"learner {self.index}")
     if len(self._actors) > 1:
-      # Fresh processes (a failure ends all of them, `_fail_group`): a new jax.distributed job.
+      # Fresh processes (a failure ends all of them, `_fail`): a new jax.distributed job.
       join_group(self._actors, self.index, self._secret)
     mac = sign(self._secret, "restore", self.index, incarnation)
     pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in self._actors],
@@ -862,10 +863,11 @@ class RemoteLearner:
                     "e.g. %s", self.index, len(differ), differ[:3])
     return self.replicas_agree
 
-  def _fail_group(self, error: BaseException, *, say_exit: bool = True) -> None:
-    """A multi-process learner whose process died or failed: the others, which would wait for it
-    in their next agreement or collective, are ended too. Ray restarts all of them, and the
-    learner rejoins as a whole (a new jax.distributed job)."""
+  def _fail(self, error: BaseException, *, say_exit: bool = True) -> None:
+    """The learner's process died or failed: it trains no more, and the syncer hears of its exit.
+    A multi-process learner's other processes, which would wait for the lost one in their next
+    agreement or collective, are ended too; Ray restarts all of them, and the learner rejoins as
+    a whole (a new jax.distributed job)."""
     if self.error is None:
       self.failed_at = self.failed_at or time.monotonic()
       self.error = error
@@ -894,14 +896,14 @@ class RemoteLearner:
         status = ray.get(actor.poll.remote(_POLL_S), timeout=_CALL_TIMEOUT_S)
       except Exception as err:  # pylint: disable=broad-except
         if not self._stopped.is_set():
-          self._fail_group(LearnerProcessDied(
+          self._fail(LearnerProcessDied(
               f"learner {self.index} (incarnation {self.incarnation}): its process {i}, pid "
               f"{self.pids[i]}, is gone ({type(err).__name__})"))
         return
       if status["incarnation"] != self.incarnation:
         continue
       if status["error"] is not None:
-        self._fail_group(RuntimeError(f"learner {self.index} process {i}: {status['error']}"))
+        self._fail(RuntimeError(f"learner {self.index} process {i}: {status['error']}"))
         return
       if not status["thread_alive"]:
         return
@@ -915,7 +917,7 @@ class RemoteLearner:
       except Exception as err:  # pylint: disable=broad-except
         if self._stopped.is_set():
           return
-        self._fail_group(LearnerProcessDied(
+        self._fail(LearnerProcessDied(
             f"learner {self.index} (incarnation {self.incarnation}, pid {self.pid}): its process "
             f"is gone ({type(err).__name__})"))
         return
@@ -935,7 +937,7 @@ class RemoteLearner:
         self._metrics.write(kind, record, step=step, scalars=scalars)
       if status["error"] is not None:
         # Its process posted the learner's exit itself (forwarded above).
-        self._fail_group(RuntimeError(status["error"]), say_exit=False)
+        self._fail(RuntimeError(status["error"]), say_exit=False)
         return
       if not status["thread_alive"]:
         return  # ended (released after the flush)
