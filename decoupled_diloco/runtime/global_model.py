@@ -69,7 +69,6 @@ class MergeResult:
   wire: dict[str, compression_lib.Encoded]
   weights: np.ndarray  # per learner slot
   bytes_up: int  # encoded outer gradients, as they would travel
-  started_at: float
   encode_s: float
   merge_s: float
   wire_s: float
@@ -283,7 +282,6 @@ class GlobalModel:
     Reads Theta_p, its outer state and its kept versions, so the caller runs at most one merge of
     a fragment at a time and installs it before starting the next.
     """
-    started_at = time.monotonic()
     wire_formats, fragment = self._compression, self.fragments[p]
     tokens = np.zeros(self._padded_learners, np.float32)
     steps = np.zeros(self._padded_learners, np.float32)
@@ -311,8 +309,8 @@ class GlobalModel:
       encode_s, merge_s = encode_s + (t1 - t0), merge_s + (time.monotonic() - t1)
     t2 = time.monotonic()
     wire, base_version, received = self._broadcast_of(p, new_theta)
-    return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, started_at,
-                       encode_s, merge_s, time.monotonic() - t2, base_version, received)
+    return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, encode_s,
+                       merge_s, time.monotonic() - t2, base_version, received)
 
   def _broadcast_of(self, p: int, new_theta: Mapping[str, np.ndarray]
                     ) -> tuple[dict[str, compression_lib.Encoded], int | None,
@@ -353,7 +351,7 @@ class GlobalModel:
       theta = dict(self._theta[p])
     wire, base_version, received = self._broadcast_of(p, theta)
     return MergeResult(p, theta, dict(self._opt_states[p]), wire,
-                       np.zeros(self._num_learners, np.float32), 0, started_at, 0.0, 0.0,
+                       np.zeros(self._num_learners, np.float32), 0, 0.0, 0.0,
                        time.monotonic() - started_at, base_version, received)
 
   def _kept(self, p: int, version: int, name: str) -> np.ndarray:

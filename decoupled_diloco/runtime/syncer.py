@@ -56,7 +56,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -211,7 +211,12 @@ class Syncer:
       metrics: metrics_lib.MetricsWriter | None = None,
       network: network_lib.Network | None = None,
       inner_learning_rates: Sequence[float] | np.ndarray | None = None,
+      clock: Callable[[], float] = time.monotonic,
   ):
+    # Seconds for the quorum and grace deadlines, heartbeats and timings on the tape. A test may
+    # drive it by hand, so that a deadline falls where the test says, not where the host's load
+    # puts it.
+    self._now = clock
     self._sync = sync
     self._network = network  # the links to the learners go through it (partitions)
     self._schedule = sync.schedule
@@ -455,7 +460,7 @@ class Syncer:
     deadlines = [r.deadline for r in self._rounds.values() if r.deadline is not None]
     if not deadlines:
       return 0.05
-    return min(max(min(deadlines) - time.monotonic(), 0.0), 0.05)
+    return min(max(min(deadlines) - self._now(), 0.0), 0.05)
 
   def _receive(self, timeout: float) -> None:
     try:
@@ -490,7 +495,7 @@ class Syncer:
     if isinstance(message, _CutRequest):
       if self._cut is not None:
         self._cut.future.set_result(None)  # superseded
-      message.asked_at = time.monotonic()
+      message.asked_at = self._now()
       self._cut = message
       with self._lock:
         live = sorted(self._live)
@@ -501,7 +506,7 @@ class Syncer:
     if self._from_earlier_incarnation(message):
       return
     if isinstance(message, (messages.StepReport, messages.TrainingDone)):
-      self._last_report_at[message.learner] = time.monotonic()  # its heartbeat
+      self._last_report_at[message.learner] = self._now()  # its heartbeat
     if isinstance(message, messages.StepReport):
       self._learner_steps[message.learner] = message.step
       self._grace = self._grace.observe_step(message.learner, message.step_time_s)
@@ -561,7 +566,7 @@ class Syncer:
     self._incarnations[m] = message.incarnation
     self._learners[m] = message.link
     self._learner_steps[m] = message.step
-    self._last_report_at[m] = time.monotonic()  # silent from now on counts
+    self._last_report_at[m] = self._now()  # silent from now on counts
     self._absent.discard(m)
     if restarted:
       # Its steps count again from `step` (a peer's): records of the earlier incarnation go.
@@ -614,7 +619,7 @@ class Syncer:
     """
     if self._sync.lock_step:
       return
-    now = time.monotonic()
+    now = self._now()
     watched = self._live & self._training
     emas = {m: ema.value for m, ema in self._grace.step_times}
     absent = heartbeat.absent({m: self._last_report_at.get(m, now) for m in watched}, emas, now,
@@ -712,7 +717,7 @@ class Syncer:
       quorum, use_grace = max(len(self._live), 1), False
     else:
       quorum, use_grace = self._sync.quorum, True
-    round_ = _Round(p, clock, time.monotonic(), quorum, use_grace, poll, final=final)
+    round_ = _Round(p, clock, self._now(), quorum, use_grace, poll, final=final)
     self._rounds[p] = round_
     return round_
 
@@ -727,7 +732,7 @@ class Syncer:
         answer = self._learners[m].offer(p, self._merged_through.get((m, p), 0))
         if isinstance(answer, messages.PendingAnswer):
           # A learner in another process: its answer is on its way (runtime/ray_runtime.py).
-          round_.copying[m] = (answer, time.monotonic())
+          round_.copying[m] = (answer, self._now())
         else:
           self._admit(round_, m, answer, copying=True)
 
@@ -741,10 +746,10 @@ class Syncer:
       answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
     if isinstance(answer, messages.Offer):
       if copying:
-        round_.copying[m] = (answer, time.monotonic())
+        round_.copying[m] = (answer, self._now())
       else:
         round_.offers[m] = answer
-        round_.landed_at = time.monotonic()
+        round_.landed_at = self._now()
     elif answer is messages.Answer.STALE:
       self.stats.stale_answers += 1
     elif answer is messages.Answer.NOTHING and m not in self._training:
@@ -762,11 +767,11 @@ class Syncer:
     if round_ is None or offer.learner in round_.offers or offer.learner in round_.copying:
       self.stats.late_offers += 1
       return
-    round_.copying[offer.learner] = (offer, time.monotonic())
+    round_.copying[offer.learner] = (offer, self._now())
 
   def _collect_landed_offers(self) -> None:
     """Offers enter their round once their copy to host RAM has landed."""
-    now = time.monotonic()
+    now = self._now()
     for round_ in self._rounds.values():
       for m, (offer, _) in list(round_.copying.items()):
         if offer.in_host_memory:
@@ -781,7 +786,7 @@ class Syncer:
           round_.landed_at = now
 
   def _close_ready_rounds(self) -> None:
-    now = time.monotonic()
+    now = self._now()
     for p in list(self._rounds):
       round_ = self._rounds[p]
       fresh = [o for o in round_.offers.values() if o.fresh]
@@ -830,8 +835,8 @@ class Syncer:
       return
     offers = tuple(sorted(offers, key=lambda o: o.learner))
     self._merging.add(p)
-    closed_at = time.monotonic()
-    future = self._workers.submit(self._compute_merge, p, offers)
+    closed_at = self._now()
+    future = self._workers.submit(self._merge_on_worker, p, offers)
     future.add_done_callback(
         lambda f: self._inbox.put(_MergeDone(round_, offers, closed_at, f)))
 
@@ -867,7 +872,7 @@ class Syncer:
              for pub in publications.values()):
         cut = SyncerCut(self.state(include_tape=request.include_tape), publications,
                         {m: self._incarnations.get(m, 0) for m in live}, self._clock)
-    timed_out = time.monotonic() - request.asked_at > request.timeout_s
+    timed_out = self._now() - request.asked_at > request.timeout_s
     if cut is None and not timed_out:
       return
     if cut is None:
@@ -878,6 +883,10 @@ class Syncer:
     for p in sorted(self._owed):
       if p not in self._rounds and p not in self._merging:
         self._open_owed(p)
+
+  def _merge_on_worker(self, p: int, offers: tuple[messages.Offer, ...]):
+    """(when a worker took the merge up, on the syncer's clock, and `_compute_merge`'s result)."""
+    return self._now(), self._compute_merge(p, offers)
 
   def _compute_merge(self, p: int, offers: tuple[messages.Offer, ...]
                      ) -> tuple[global_model_lib.Screening, global_model_lib.MergeResult | None]:
@@ -912,7 +921,7 @@ class Syncer:
   # ---- back on the syncer's thread: install, broadcast, record -----------------------------------
 
   def _finish_merge(self, done: _MergeDone) -> None:
-    screening, result = done.future.result()  # a worker's error fails here
+    started_at, (screening, result) = done.future.result()  # a worker's error fails here
     round_, offers = done.round_, screening.accepted
     p = round_.fragment
     self.model.keep_screening(screening)
@@ -953,7 +962,7 @@ class Syncer:
         self.stats.keyframes += 1
       sends.append((m, self._naming_last_merged(m, sent)))
     bytes_down = sum(sent.nbytes for _, sent in sends)
-    now = time.monotonic()
+    now = self._now()
     self._merging.discard(p)
     sync_s = now - done.closed_at
     self._grace = self._grace.observe_sync(sync_s)
@@ -983,7 +992,7 @@ class Syncer:
         "grace_window_s": round((round_.deadline or quorum_at) - quorum_at, 5),
         "grace_waited_s": round(done.closed_at - quorum_at, 5),
         "copy_s": round(max((round_.landed_at or round_.opened_at) - round_.opened_at, 0.0), 5),
-        "queue_s": round(result.started_at - done.closed_at, 5),
+        "queue_s": round(started_at - done.closed_at, 5),
         "encode_s": round(result.encode_s, 5), "merge_s": round(result.merge_s, 5),
         "broadcast_s": round(result.wire_s, 5),
         "sync_s": round(sync_s, 5), "bytes_up": result.bytes_up,
