@@ -2,7 +2,9 @@
 
 import dataclasses
 import functools
+import math
 import os
+import time
 
 # 4 learners x 2 devices + 4 syncer shards, the layout of experiments/tiny_cpu.py.
 NUM_FAKE_DEVICES = 12
@@ -83,6 +85,33 @@ def tiny_settings(workdir, **overrides):
   config.compilation_cache_dir = "none"
   config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
   return settings.validate(config)
+
+
+def hold_repair(run, until, give_up_after_s=60.0):
+  """A failed learner of `run` comes back no sooner than `until()` holds (nor than its own repair
+  time): what its peers do while it is down then does not depend on how fast the host runs them.
+  After `give_up_after_s` the repair goes ahead anyway, so a test whose condition never holds
+  fails on its assertions instead of hanging."""
+  repaired_at = run.supervisor._repaired_at  # pylint: disable=protected-access
+  give_up_at = time.monotonic() + give_up_after_s
+
+  def held(m):
+    if not until() and time.monotonic() < give_up_at:
+      return math.inf
+    return repaired_at(m)
+
+  run.supervisor._repaired_at = held  # pylint: disable=protected-access
+
+
+def wait_until(condition, timeout_s=60.0, poll_s=0.01):
+  """Polls `condition` until it holds or `timeout_s` passed; returns whether it held. For a
+  test's hook that holds a thread until another has done something."""
+  give_up_at = time.monotonic() + timeout_s
+  while not condition():
+    if time.monotonic() > give_up_at:
+      return False
+    time.sleep(poll_s)
+  return True
 
 
 def pytest_configure(config):

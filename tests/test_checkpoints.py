@@ -12,6 +12,7 @@ from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import train
 from tests.conftest import tiny_settings
+from tests.conftest import wait_until
 
 EVERY = 8
 
@@ -115,19 +116,21 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path):
 
 
 def test_a_dp_checkpoint_holds_the_step_it_was_due_at_not_the_one_before(tmp_path):
-  # The learner pauses before step EVERY: the controller sees the clock at EVERY while the
-  # learner's newest publication (one step behind its clock) is still of step EVERY - 1.
+  # The learner pauses before step EVERY + 1: the controller sees the clock at EVERY while the
+  # learner's newest publication (one step behind its clock) is still of step EVERY - 1. Then it
+  # holds before step EVERY + 2, its newest publication of step EVERY, until the first checkpoint
+  # is written: that one must be of step EVERY, never the one before.
   def pause(learner, at):
     del learner
     if at == EVERY:
       time.sleep(0.5)
+    if at == EVERY + 1:
+      wait_until(lambda: run.checkpoints.saved)
 
   run = train.build(_settings(tmp_path, mode="dp"), step_hook=pause)
   summary = train.execute(run, progress=False)
   numbers = [c["number"] for c in summary["checkpoints_written"]]
-  # (Of step EVERY, or one or two later where the controller's poll of the learner's publications
-  # came after the next step had replaced it: never one before.)
-  assert EVERY <= numbers[0] <= EVERY + 2 and numbers[-1] == run.settings.num_steps, numbers
+  assert numbers[0] == EVERY and numbers[-1] == run.settings.num_steps, numbers
 
 
 def test_a_checkpoint_of_another_experiment_is_refused_naming_the_field(tmp_path):

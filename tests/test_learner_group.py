@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_settings
+from conftest import wait_until
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.lm import inner
 from decoupled_diloco.runtime import learner as learner_lib
@@ -91,21 +92,31 @@ def _pull(pair) -> list:
 
 def _drive(run, pair):
   """Two pulls and merges while the pair trains. Each broadcast reaches the leader at once and
-  the follower 0.3 s (about ten steps) later, as a slow link would."""
+  the follower later, as a slow link would: 0.3 s later for an agreed pair (whose follower waits
+  for a broadcast its leader applies), three of its own steps later for independent copies (so
+  that they apply it at other steps however fast the host runs them)."""
   leader, follower = pair
   for learner in pair:
     learner.start()
-  answers = []
+  answers, links = [], []
   for version, at_step in ((1, 4), (2, 9)):
     while leader.step < at_step:
       time.sleep(0.005)
     answers.append(_pull(pair))
     broadcast = _broadcast(run, answers[-1][0], version, shift=0.125 * version)
     leader.deliver(broadcast)
-    threading.Timer(0.3, follower.deliver, args=(broadcast,)).start()
+    if leader._group is not None:
+      link = threading.Timer(0.3, follower.deliver, args=(broadcast,))
+    else:
+      due = min(leader.step + 3, follower._options.num_steps)
+      link = threading.Thread(target=lambda broadcast=broadcast, due=due: (
+          wait_until(lambda: follower.step >= due), follower.deliver(broadcast)))
+    link.start()
+    links.append(link)
   for learner in pair:
     assert learner.finished_training.wait(60)
-  time.sleep(0.5)  # the follower's last broadcast has arrived
+  for link in links:
+    link.join(60)  # the follower's last broadcast has arrived
   leader.release()
   follower.release()  # the agreed release is the leader's; an independent copy needs its own
   for learner in pair:

@@ -10,28 +10,22 @@ import pathlib
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from decoupled_diloco import settings
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Validation imports JAX but starts no backend; compiling even the tiny model takes longer than this.
-_BEFORE_COMPILING_S = 60
-
-
-def _main(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+def _main(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
   # As in a user's shell: the run asks for its fake devices itself. Compiled with XLA's full
   # optimisations: the default experiment's steps ran slower under the tests' flag than it saved.
   env.pop("XLA_FLAGS", None)
-  started = time.monotonic()
   out = subprocess.run(
       [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py", *args],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-  return out, time.monotonic() - started
+  return out
 
 
 def _one_line(out: subprocess.CompletedProcess) -> str:
@@ -48,7 +42,7 @@ def _one_line(out: subprocess.CompletedProcess) -> str:
     ("model.num_head", "config.model.num_heads"),
 ])
 def test_unknown_override_names_it_and_the_closest_known_fields(field, closest, tmp_path):
-  out, _ = _main(f"--config.{field}=1", f"--config.workdir={tmp_path / 'run'}")
+  out = _main(f"--config.{field}=1", f"--config.workdir={tmp_path / 'run'}")
   line = _one_line(out)
   assert f"config.{field} " in line, line
   suggested = re.findall(r"config\.([\w.]+)", line.split("closest known:")[1])
@@ -61,15 +55,15 @@ def test_unknown_override_names_it_and_the_closest_known_fields(field, closest, 
 def test_workdir_that_cannot_be_created_is_named_before_compiling(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a directory", encoding="utf-8")
-  out, seconds = _main(f"--config.workdir={blocker / 'run'}")
+  out = _main(f"--config.workdir={blocker / 'run'}")
   line = _one_line(out)
   assert f"config.workdir='{blocker / 'run'}'" in line and "is a file" in line, line
-  assert seconds < _BEFORE_COMPILING_S, seconds
+  # The build logs "built N learner(s) ... in S s" once it has compiled: it never got there.
   assert "built" not in out.stdout + out.stderr
 
 
 def test_bad_value_is_one_line_naming_the_field_and_what_is_allowed(tmp_path):
-  out, _ = _main("--config.sync.quorum=9", f"--config.workdir={tmp_path / 'run'}")
+  out = _main("--config.sync.quorum=9", f"--config.workdir={tmp_path / 'run'}")
   line = _one_line(out)
   assert "config.sync.quorum=9" in line and "config.num_learners=4" in line, line
 
@@ -80,9 +74,9 @@ def test_a_run_resumes_from_its_checkpoint_in_a_new_process(tmp_path):
   args = (f"--config.workdir={tmp_path}", "--config.mode=dp", "--config.num_steps=2",
           "--config.checkpoint.every_steps=1", "--config.eval_batches=1", "--config.log_every=1",
           "--config.inner.warmup_steps=1")
-  first, _ = _main(*args)
+  first = _main(*args)
   assert first.returncode == 0, first.stderr[-2000:]
-  second, _ = _main(*args, "--config.restore=latest")
+  second = _main(*args, "--config.restore=latest")
   assert second.returncode == 0, second.stderr[-2000:]
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert [r["clock"] for r in summary["resumes"]] == [2]

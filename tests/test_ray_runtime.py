@@ -19,6 +19,10 @@ from tests.conftest import tiny_settings
 
 ray = pytest.importorskip("ray")
 
+# Starting Ray and its learner and syncer processes, each importing JAX and loading its programs,
+# took 4 min for one test on a 2-core host under full load: past the suite's 5-min default.
+pytestmark = pytest.mark.timeout(900)
+
 
 # The learner and syncer processes share one compilation cache (set by `local_ray`): a process
 # Ray restarts loads its programs instead of compiling them again, as a real run's restarts do.
@@ -218,7 +222,9 @@ def test_a_learner_over_two_processes_with_the_identity_outer_step_tracks_dp(tmp
   assert len(set(run.learners[0].pids)) == 2 and os.getpid() not in run.learners[0].pids
   summary = train.execute(run, progress=False)
   assert summary["learner_errors"] == [None] and summary["learner_steps"] == [32]
-  assert summary["merges_before_flush"] >= 8 and summary["double_merged_offers"] == 0
+  # Merges ran while it trained. How many depends on the host's load: a fragment falling due
+  # while its merge is in flight waits for it (tests/test_runtime.py's identity test, too).
+  assert summary["merges_before_flush"] >= 2 and summary["double_merged_offers"] == 0
   assert summary["unmerged_steps_at_end"] == [0]
   assert summary["final_eval_loss"] == pytest.approx(dp["final_eval_loss"], rel=1e-4)
   assert summary["learner_replicas_agree"] == [True]

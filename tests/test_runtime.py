@@ -87,25 +87,26 @@ def test_failed_learner_never_stops_the_others_or_the_syncer(tmp_path):
 
 
 def test_learner_never_waits_for_a_stalled_syncer(tmp_path):
-  # ~0.05 s steps: 24 of them take about as long as the stall.
+  """The syncer's own thread is stuck after its first merge until every learner has made four
+  more steps (a minute at most): learners that waited for it would never make them."""
   run = train.build(tiny_settings(tmp_path, learner_step_delays_s=(0.05,) * 4))
-  stall_s = 3.0
   finish_merge = run.syncer._finish_merge
-  stalled = threading.Event()
+  stepped_on = []
 
   def stuck_syncer(done):
-    if not stalled.is_set():
-      stalled.set()
-      time.sleep(stall_s)  # the syncer's own thread is stuck after its first merge
+    if not stepped_on:
+      targets = [min(learner.step + 4, 24) for learner in run.learners]
+      give_up_at = time.monotonic() + 60
+      while (any(l.step < t for l, t in zip(run.learners, targets))
+             and time.monotonic() < give_up_at):
+        time.sleep(0.01)
+      stepped_on.append(all(l.step >= t for l, t in zip(run.learners, targets)))
     finish_merge(done)
 
   run.syncer._finish_merge = stuck_syncer
   summary = train.execute(run, progress=False)
-  assert stalled.is_set()
+  assert stepped_on == [True]
   assert summary["learner_steps"] == [24] * 4
-  for learner in run.learners:
-    # Steps take ~0.05-0.3 s here; a learner blocked on the syncer would show a ~3 s step.
-    assert max(learner.step_times) < stall_s / 2, max(learner.step_times)
 
 
 def test_diloco_mode_merges_every_learner_every_period_in_lock_step(tmp_path):
@@ -456,27 +457,32 @@ def test_merges_keep_up_with_one_learner(tmp_path):
 def test_pulls_are_answered_without_waiting_for_a_step_boundary(tmp_path):
   """Issue 7 finding 5: a due fragment is taken from each learner's latest publication at once.
   With 0.1 s steps and every learner needed (K = 4), a pull served at the next step boundary would
-  make the median quorum wait most of a step; here it is a small fraction of one."""
+  make the median quorum wait about half a step or more; here it is a small fraction of one, on
+  this run's own step times (a loaded host stretches both)."""
   run, _ = _run(tmp_path, sync__quorum=4, learner_step_delays_s=(0.1,) * 4, num_steps=16)
   waits = [d["quorum_wait_s"] for d in run.syncer.tape if not d["final"]]
+  step_s = np.median([t for learner in run.learners for t in learner.step_times])
   assert len(waits) >= 8
-  assert np.median(waits) < 0.025, waits
+  assert np.median(waits) < 0.25 * step_s, (waits, step_s)
 
 
 def test_a_run_whose_learners_all_hang_fails_after_the_stall_timeout(tmp_path):
   """Issue 7 risk: execute() had no bound while learners train."""
   run = train.build(tiny_settings(tmp_path, stall_timeout_s=2.0))
 
+  released = []
+
   def hang_at_step_5(learner, step):
     if step == 5:
-      run.learners[learner]._stop.wait(60)  # released when the run stops the learner
+      # Released when the run stops the learner (True), or after a minute (False).
+      released.append(run.learners[learner]._stop.wait(60))
 
   for learner in run.learners:
     learner._step_hook = hang_at_step_5
-  started = time.monotonic()
   with pytest.raises(RuntimeError, match="config.stall_timeout_s"):
     train.execute(run, progress=False)
-  assert time.monotonic() - started < 20
+  # The run gave up and stopped every hung learner: none waited out its minute.
+  assert released and all(released), released
   assert not any(learner._thread.is_alive() for learner in run.learners)
 
 
