@@ -295,18 +295,25 @@ def test_step_noise_spreads_each_learners_step_times_by_its_own_draws(tmp_path):
 
 
 def test_a_step_delay_shorter_than_the_step_still_slows_the_learner_by_the_delay(tmp_path):
-  """learner_step_delays_s emulates slower hardware: a step takes its own time plus the delay,
-  also when the delay is shorter than the step (slept while the step ran, it hid behind it).
-  One learner, so that no other learner's steps change how long its own take."""
+  """learner_step_delays_s and learner_step_noise_s emulate slower hardware: a step takes its own
+  time plus the sleep drawn for it, also when that is shorter than the step (slept while the step
+  ran, it would hide behind it). One learner, one run: each step's sleep (its noise, from the
+  learner's seeded stream) is regressed against its time, so the host's load, which a before /
+  after pair of runs sees differently, cancels out. A first run sets the sleeps to at most a
+  step."""
   # A step long on the devices (a wider model, a bigger batch) next to its host work.
-  one = dict(num_steps=16, data__batch_size=64, model__embed_dim=128, model__mlp_dim=512,
+  one = dict(num_steps=24, data__batch_size=64, model__embed_dim=128, model__mlp_dim=512,
              num_learners=1, learner_mesh_shapes=((2, 1),))
   quiet_run, _ = _run(tmp_path / "quiet", **one)
-  quiet = float(np.median(quiet_run.learners[0].step_times[2:]))
-  delay = round(quiet / 2, 4)
-  run, _ = _run(tmp_path / "slow", learner_step_delays_s=(delay,), **one)
-  slow = float(np.median(run.learners[0].step_times[2:]))
-  assert slow - quiet > 0.7 * delay, (quiet, delay, slow)
+  noise = round(float(np.median(quiet_run.learners[0].step_times[2:])) / 2, 4)
+  run, _ = _run(tmp_path / "slow", learner_step_delays_s=(noise / 4,), learner_step_noise_s=noise,
+                **one)
+  learner = run.learners[0]
+  draws = np.random.default_rng((*learner._options.noise_seed, 0, 0)).random(one["num_steps"])
+  sleeps = noise / 4 + 2 * noise * draws  # step_times[j] holds the sleep after step j + 1
+  times = np.asarray(learner.step_times)
+  slope = np.polyfit(sleeps[2:len(times)], times[2:], 1)[0]
+  assert 0.7 < slope < 1.3, (slope, noise, times)
 
 
 def test_learners_of_different_batch_sizes_train_count_and_weigh_their_own_tokens(tmp_path):
