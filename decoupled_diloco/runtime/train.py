@@ -99,6 +99,8 @@ class Run:
   eval_windows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   # The global model on the validation split too (config.data.validation_fraction > 0).
   validator: evaluate.Evaluator | None = None
+  # time.monotonic() when `build` started: the origin of the first-step times in the summary.
+  build_started_at: float | None = None
 
 
 class Interrupted(Exception):
@@ -144,6 +146,7 @@ def build(settings: settings_lib.RunSettings, *,
           with_syncer: bool = True) -> Run:
   """Partitions devices, builds learners and syncer and compiles their steps."""
   start = time.perf_counter()
+  build_started_at = time.monotonic()
   if settings.replay:
     # A replay keeps earlier states for the takes that name them: none may be donated (donation
     # changes where a state lives, not its values).
@@ -360,7 +363,7 @@ def build(settings: settings_lib.RunSettings, *,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
              history, restored, keeper, corrupter, restarter=restarter, data_info=data_info,
-             validator=validator)
+             validator=validator, build_started_at=build_started_at)
 
 
 def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=None,
@@ -1165,6 +1168,9 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "train_seconds": train_seconds,
       "build_seconds": run.build_seconds,
       **{k: round(v, 3) for k, v in run.compile_seconds.items()},
+      # Seconds from the start of the build to the first step of the first / the last learner
+      # (learners sharing devices make their first steps one after another); None: no step.
+      **_first_steps(run, incarnations),
       "learner_steps": final_steps,
       "learner_steps_per_s": [len(l.step_times) / max(sum(l.step_times), 1e-9) for l in learners],
       "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
@@ -1220,6 +1226,14 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
   else:
     summary.update(_job_restart_summary(run, tokens_per_step[0]))
   return summary
+
+
+def _first_steps(run: Run, incarnations) -> dict[str, float | None]:
+  firsts = [l.first_step_done_at - run.build_started_at for l in incarnations
+            if l.incarnation == 0 and l.first_step_done_at is not None
+            and run.build_started_at is not None]
+  return {"first_step_s": round(min(firsts), 3) if firsts else None,
+          "last_first_step_s": round(max(firsts), 3) if firsts else None}
 
 
 def _retired(run: Run) -> list[learner_lib.Learner]:
