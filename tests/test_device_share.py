@@ -110,6 +110,8 @@ def test_four_learners_on_one_device_train_and_merge_as_on_four_devices(tmp_path
     assert summary["final_eval_loss"] < 3.5
   assert {d["fragment"] for d in shared_run.syncer.tape if not d["final"]} == set(range(4))
   assert abs(shared["final_eval_loss"] - apart["final_eval_loss"]) < 0.2
+  # From the start of the build, past its compiles; the four made their first steps in turn.
+  assert shared["build_seconds"] < shared["first_step_s"] <= shared["last_first_step_s"]
   # Every step took its turn on the one device, and no turn is held after the run.
   turns = shared_run.learners[0]._turns
   assert turns is not None and all(l._turns is turns for l in shared_run.learners)
@@ -210,3 +212,16 @@ def test_the_one_gpu_experiment_scaled_down_puts_four_learners_and_dp_on_one_dev
         decoupled.data.batch_size)
   with pytest.raises(ValueError, match="one_gpu.py:tpu"):
     module.get_config("tpu")
+
+
+def test_a_sharing_learner_that_crashes_rejoins_on_its_shared_device(tmp_path):
+  """A crash of learner 1 at its step 8, repaired at once: its next incarnation is built on the
+  device the four share, from a peer's state and Theta, takes its turns with the others again,
+  and every learner makes all its steps."""
+  run, summary = _run(tmp_path, chaos__schedule="crash@learner=1,step=8,down_s=0", **_SHARED)
+  assert summary["rejoins"] == 1 and summary["learner_steps"] == [24] * 4
+  assert summary["learner_errors"] == [None] * 4
+  rejoined = run.learners[1]
+  assert rejoined.incarnation == 1 and rejoined._turns is run.learners[0]._turns
+  assert rejoined.steps_made > 0 and run.learners[0]._turns.in_use == 0
+  assert summary["double_merged_offers"] == 0

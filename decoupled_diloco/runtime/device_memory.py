@@ -80,7 +80,8 @@ def check_learner(settings: settings_lib.RunSettings, train_step: inner.TrainSte
   device of `mesh`. Compiles the step for that (the learner's first call then finds it compiled);
   where the device reports no memory (a CPU) and config.devices.memory_per_device_gb is 0, logs
   that it did not check and compiles nothing."""
-  device = mesh.devices.flat[0]
+  # One of this process's devices: a learner over several processes cannot ask another's.
+  device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
   limit, source = limit_bytes(device, settings.devices.memory_per_device_gb)
   if limit is None:
     logging.info("device memory not checked: %s reports none (config.devices.memory_per_device_gb"
