@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
+from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import train
 
@@ -58,6 +59,8 @@ def main(argv):
     train.train_and_evaluate(run_settings)
   except checkpoints.CheckpointError as err:
     sys.exit(f"Cannot resume: {err}")
+  except device_memory.DeviceMemoryError as err:
+    sys.exit(f"Invalid config: {err}")
   except event_tape.TapeError as err:
     sys.exit(f"Cannot replay: {err}")
   except event_tape.ReplayDiverged as err:

@@ -63,6 +63,13 @@ _DERIVED = {"derived": True}
 class DevicesSettings:
   platform: str  # whose devices the learners use: cpu | gpu | tpu
   num_fake_cpu_devices: int  # host devices requested before JAX starts; 0 = the real devices
+  # Consecutive learners that train on the same devices (runtime/device_share.py), their steps
+  # interleaved: learners 0..n-1 share the first learner's devices, n..2n-1 the next ones. 1 = every
+  # learner on devices of its own. Resolved to 1 in dp mode (one job over the distinct devices).
+  learners_sharing_devices: int
+  # Memory of one learner device the run may fill, in GB, checked before anything is placed
+  # (runtime/device_memory.py); 0 = what the device reports (none on CPU: then unchecked).
+  memory_per_device_gb: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +253,9 @@ class RunSettings:
 
   @property
   def learner_devices(self) -> int:
-    return sum(math.prod(shape) for shape in self.learner_mesh_shapes)
+    """Distinct devices the learners train on (learners that share devices count them once)."""
+    return sum(math.prod(shape) for shape in self.learner_mesh_shapes
+               ) // self.devices.learners_sharing_devices
 
 
 def _section_type(hint) -> type | None:
@@ -437,6 +446,25 @@ def _mesh_shapes(config, num_learners: int) -> tuple[tuple[int, ...], ...]:
   if len(parsed) == 1:
     parsed = parsed * num_learners
   return tuple(parsed)
+
+
+def _learners_sharing_devices(config, num_learners: int,
+                              mesh_shapes: tuple[tuple[int, ...], ...]) -> int:
+  """config.devices.learners_sharing_devices: consecutive groups of this many learners share one
+  set of devices, so every learner of a group must have the same mesh shape."""
+  sharing = _check_int(config, "devices.learners_sharing_devices", 1, num_learners,
+                       "config.num_learners")
+  if num_learners % sharing:
+    _fail("devices.learners_sharing_devices", sharing,
+          f"must divide config.num_learners={num_learners}: learners share devices in "
+          f"consecutive groups of this many")
+  for start in range(0, num_learners, sharing):
+    group = mesh_shapes[start:start + sharing]
+    if len(set(group)) > 1:
+      _fail("devices.learners_sharing_devices", sharing,
+            f"learners {start}..{start + sharing - 1} share devices, so they need one mesh "
+            f"shape, but config.learner_mesh_shapes gives them {sorted(set(group))}")
+  return sharing
 
 
 def _step_delays(config, num_learners: int) -> tuple[float, ...]:
@@ -639,11 +667,15 @@ def _compilation_cache_dir(config, workdir: str) -> str | None:
 
 
 def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
-                     late_learners: tuple[int, ...], mesh_shapes: tuple[tuple[int, ...], ...]
-                     ) -> tuple[str, RaySettings]:
+                     late_learners: tuple[int, ...], mesh_shapes: tuple[tuple[int, ...], ...],
+                     sharing: int) -> tuple[str, RaySettings]:
   runtime = _check_choice(config, "runtime", RUNTIMES)
   processes = _check_int(config, "ray.processes_per_learner", 1)
   if processes > 1:
+    if sharing > 1:
+      _fail("ray.processes_per_learner", processes,
+            f"must be 1 with config.devices.learners_sharing_devices={sharing}: a learner over "
+            "several hosts is one jax.distributed job and holds its devices alone")
     if runtime != "ray":
       _fail("ray.processes_per_learner", processes, "must be 1 unless config.runtime='ray' (a "
             "learner thread cannot span processes)")
@@ -681,12 +713,13 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   log_every = _check_int(config, "log_every", 1)
   eval_every = _check_int(config, "eval_every", 0)
   eval_batches = _check_int(config, "eval_batches", 1)
-  devices = DevicesSettings(
-      platform=_check_choice(config, "devices.platform", PLATFORMS),
-      num_fake_cpu_devices=_check_int(config, "devices.num_fake_cpu_devices", 0))
-
   num_learners = _check_int(config, "num_learners", 1)
   mesh_shapes = _mesh_shapes(config, num_learners)
+  devices = DevicesSettings(
+      platform=_check_choice(config, "devices.platform", PLATFORMS),
+      num_fake_cpu_devices=_check_int(config, "devices.num_fake_cpu_devices", 0),
+      learners_sharing_devices=_learners_sharing_devices(config, num_learners, mesh_shapes),
+      memory_per_device_gb=_check_float(config, "devices.memory_per_device_gb", 0.0))
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
@@ -701,7 +734,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   compilation_cache_dir = _compilation_cache_dir(config, workdir)
   donate_state = _check_choice(config, "donate_state", DONATE_STATE)
   runtime, ray_settings = _resolve_runtime(config, mode, chaos_settings, late_learners,
-                                           mesh_shapes)
+                                           mesh_shapes, devices.learners_sharing_devices)
   tape = _check_bool(config, "tape")
   replay = _replay(config, workdir, mode, runtime, chaos_settings, late_learners)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
@@ -790,7 +823,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     # The first learner's fsdp and model axes; data takes the rest.
     *_, model_axis = mesh_shapes[0]
     fsdp_axis = mesh_shapes[0][1] if len(mesh_shapes[0]) == 3 else 1
-    total = sum(math.prod(shape) for shape in mesh_shapes)
+    # Learners that share devices count them once: the job spans the distinct devices.
+    total = sum(math.prod(shape) for shape in mesh_shapes) // devices.learners_sharing_devices
     data_axis = total // (fsdp_axis * model_axis)
     mesh_shapes = (((data_axis, fsdp_axis, model_axis) if len(mesh_shapes[0]) == 3
                     else (data_axis, model_axis)),)
@@ -800,6 +834,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     delays = (max(delays),)
     num_learners, sync = 1, None
     syncer = dataclasses.replace(syncer, num_devices=0)
+    devices = dataclasses.replace(devices, learners_sharing_devices=1)
 
   for index, shape in enumerate(mesh_shapes):
     # The batch is split over data x fsdp (model.py's "batch" rule).

@@ -105,6 +105,15 @@ def get_config() -> ml_collections.ConfigDict:
   # Fake host devices (XLA_FLAGS=--xla_force_host_platform_device_count), set before JAX starts;
   # 0 = use the real devices. 4 learners x 2 + 1 syncer device.
   config.devices.num_fake_cpu_devices = 9
+  # Learners that share one set of devices (one GPU, one TPU host): consecutive groups of this
+  # many train on the first learner's devices, each with its own state, thread and step, their
+  # steps taking turns (decoupled_diloco/runtime/device_share.py). 1 = every learner on devices
+  # of its own; num_learners = all on the same devices (experiments/one_gpu.py).
+  config.devices.learners_sharing_devices = 1
+  # GB of one learner device the run may fill (train states, publications, in-flight offers, the
+  # step's working memory and the eval model), checked before anything is placed; 0 = what the
+  # device reports (a GPU or TPU; a CPU reports nothing, so 0 leaves a CPU run unchecked).
+  config.devices.memory_per_device_gb = 0.0
 
   config.num_learners = 4  # M
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or

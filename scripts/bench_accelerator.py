@@ -32,9 +32,9 @@ import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# Neither imports JAX.
+# None imports JAX.
+import framework_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 from decoupled_diloco.lm import flops as flops_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from decoupled_diloco.runtime import throughput as throughput_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Model and data shapes. 201.6M: the H100 configuration of issue 15. 34m: the CPU host-memory
 # check of issue 15 (33.7M parameters). small: experiments/tiny_cpu.py's model.
@@ -71,34 +71,12 @@ def num_params(size: dict) -> int:
   return 256 * d + layers * (4 * d * hk + 3 * d * f + 2 * d) + d
 
 
-def _peak(device_kind: str) -> float | None:
-  """Dense bf16 peak of the chip, from the runtime's table (runtime/throughput.py)."""
-  return throughput_lib.peak_flops_per_s(device_kind)
-
-
-def _probe() -> dict:
-  out = subprocess.run(
-      [sys.executable, "-c", "import jax, json; d = jax.devices()[0]; "
-       "print(json.dumps({'platform': d.platform, 'kind': d.device_kind, "
-       "'count': len(jax.devices())}))"],
-      capture_output=True, text=True, check=True, cwd=ROOT)
-  return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _framework_run(name: str, overrides: dict, platform: str, workdir: str, timeout: int) -> dict:
-  args = [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py"]
-  for key, value in overrides.items():
-    args.append(f"--config.{key}={value}")
-  args.append(f"--config.workdir={workdir}")
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
-  started = time.perf_counter()
-  proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-  if proc.returncode:
-    sys.stderr.write(proc.stderr[-6000:])
-    raise RuntimeError(f"{name} failed with exit code {proc.returncode}")
-  with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
-    summary = json.load(f)
-  summary["process_seconds"] = time.perf_counter() - started
+  del platform  # the config says it
+  summary = framework_runs.framework_run(name, overrides, workdir, timeout)
+  if summary["status"] != "done":
+    sys.stderr.write(summary.get("log_tail", ""))
+    raise RuntimeError(f"{name} {summary['status']} (exit code {summary['returncode']})")
   return summary
 
 
@@ -225,7 +203,7 @@ def main():
     print(json.dumps(reference_step(json.loads(args.reference), args.steps)))
     return
 
-  probe = _probe()
+  probe = framework_runs.probe()
   platform = probe["platform"]
   size_name = args.size or ("34m" if platform == "cpu" else "200m")
   size, steps = SIZES[size_name], args.steps or DEFAULT_STEPS[size_name]
@@ -240,7 +218,7 @@ def main():
   print(f"{probe['kind']} ({platform}), size {size_name}: {num_params(size) / 1e6:.1f}M "
         f"parameters, {steps} steps per run", flush=True)
   tokens_per_step = size["data.seq_len"] * size["data.batch_size"]
-  peak = _peak(probe["kind"])
+  peak = framework_runs.peak_flops(probe["kind"])
   per_token = flops_per_token(size)
   results = {}
   for name in args.runs.split(","):

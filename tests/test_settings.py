@@ -251,3 +251,31 @@ def test_processes_per_learner_is_validated_with_the_runtime_and_the_meshes():
     settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 3}))
   with pytest.raises(ValueError, match=r"config\.ray\.processes_per_learner=0"):
     settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 0}))
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"devices.learners_sharing_devices": 0},
+     "config.devices.learners_sharing_devices=0 is invalid: must be between 1 and "
+     "config.num_learners=4"),
+    ({"devices.learners_sharing_devices": 3},
+     "config.devices.learners_sharing_devices=3 is invalid: must divide config.num_learners=4"),
+    ({"devices.learners_sharing_devices": 2, "learner_mesh_shapes": ((1, 1), (2, 1), (2, 1),
+                                                                     (2, 1))},
+     "learners 0..1 share devices, so they need one mesh shape"),
+    ({"devices.learners_sharing_devices": 2, "runtime": "ray", "ray.processes_per_learner": 2},
+     "config.ray.processes_per_learner=2 is invalid: must be 1 with "
+     "config.devices.learners_sharing_devices=2"),
+    ({"devices.memory_per_device_gb": -1.0}, "config.devices.memory_per_device_gb=-1.0"),
+])
+def test_learners_sharing_devices_is_checked_naming_the_fields(fields, needle):
+  with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+    settings.validate(_config(**fields))
+
+
+def test_learners_that_share_devices_count_them_once_and_dp_spans_those():
+  shared = settings.validate(_config(**{"devices.learners_sharing_devices": 4}))
+  assert shared.learner_devices == 2 and shared.devices.learners_sharing_devices == 4
+  dp = settings.validate(_config(mode="dp", **{"devices.learners_sharing_devices": 2}))
+  # Four learners of (2, 1) in pairs: four distinct devices, one job over them, four batches.
+  assert dp.learner_mesh_shapes == ((4, 1),) and dp.devices.learners_sharing_devices == 1
+  assert dp.learner_batch_size == 4 * shared.learner_batch_size

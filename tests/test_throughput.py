@@ -72,3 +72,19 @@ def test_a_run_reports_throughput_and_traces_the_profiled_steps(tmp_path, caplog
 def test_profile_steps_outside_the_run_are_refused_naming_the_field(tmp_path, steps):
   with pytest.raises(ValueError, match=r"config\.profile_steps=.*config\.num_steps=24"):
     tiny_settings(tmp_path, profile_steps=steps)
+
+
+def test_learners_taking_turns_on_devices_count_each_second_of_them_once():
+  """Two learners take turns on one device, 1 s per step: each measures 2 s per step (a turn of
+  both). Their steps cover [0, 8] once, not 16 device-seconds; a step inside an evaluation window
+  is left out with its seconds, and a learner that is down leaves its peer's steps counted as
+  they ran (faster, 1 s each)."""
+  a = ([2.0, 4.0, 6.0, 8.0], [2.0, 2.0, 2.0, 2.0])
+  b = ([3.0, 5.0, 7.0, 9.0], [3.0, 2.0, 2.0, 2.0])
+  counts, seconds = throughput.shared_steps_outside([a, b], [])
+  assert counts == [4, 4] and seconds == pytest.approx(9.0)
+  counts, seconds = throughput.shared_steps_outside([a, b], [(6.5, 6.6)])
+  assert counts == [3, 3] and seconds == pytest.approx(9.0 - 1.0)  # (6, 7] left out, by both
+  alone = ([10.0, 11.0, 12.0], [1.0, 1.0, 1.0])
+  counts, seconds = throughput.shared_steps_outside([a, alone], [])
+  assert counts == [4, 3] and seconds == pytest.approx(8.0 + 3.0)

@@ -203,6 +203,22 @@ def train_state_shardings(state: TrainState, mesh: Mesh,
   )
 
 
+def abstract_train_state(params: dict[str, jax.ShapeDtypeStruct], tx: optax.GradientTransformation,
+                         mesh: Mesh, param_shardings: dict[str, NamedSharding]) -> TrainState:
+  """The TrainState `init_train_state` makes, as ShapeDtypeStructs with their shardings: what it
+  holds on each device, and what the step compiles for, before anything is placed."""
+  opt_state = jax.eval_shape(tx.init, params)
+  opt_shardings = _opt_state_shardings(opt_state, mesh, param_shardings)
+
+  def placed(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return TrainState(
+      params={n: placed(p, param_shardings[n]) for n, p in params.items()},
+      opt_state=jax.tree.map(placed, opt_state, opt_shardings),
+      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=_replicated(mesh)))
+
+
 def init_train_state(params: dict[str, jax.Array], tx: optax.GradientTransformation,
                      mesh: Mesh, param_shardings: dict[str, NamedSharding]) -> TrainState:
   """Fresh optimizer state, created directly in the parameters' layout on `mesh`."""

@@ -3,7 +3,9 @@
 Single-controller, Pathways-style: one process sees every device and carves it into disjoint learner
 meshes (a TPU slice, a GPU host or a few fake CPU devices each) and a syncer mesh of CPU devices. On a
 CPU-only box learners and syncer share the fake host devices; on TPU or GPU the syncer takes the host's
-CPU devices.
+CPU devices. With config.devices.learners_sharing_devices = n, consecutive groups of n learners get
+one set of devices between them (each its own Mesh object over the same devices): M learners on
+one GPU. How their steps share those devices is runtime/device_share.py's.
 """
 
 from __future__ import annotations
@@ -62,32 +64,38 @@ def build_meshes(
     learner_mesh_shapes: tuple[tuple[int, ...], ...],
     syncer_devices: int,
     platform: str,
+    learners_sharing_devices: int = 1,
 ) -> tuple[list[Mesh], Mesh | None]:
   """Partitions the devices into learner meshes (data, fsdp, model) and a syncer mesh (learner,).
 
-  Learners take consecutive devices of `platform` in order; the syncer takes the CPU devices that
-  follow them (on a CPU-only run) or the first CPU devices (on TPU / GPU, where the host CPUs are
-  separate from the accelerators).
+  Learners take consecutive devices of `platform` in order, each group of
+  `learners_sharing_devices` consecutive learners (of one shape: settings.py checks it) the same
+  ones; the syncer takes the CPU devices that follow them (on a CPU-only run) or the first CPU
+  devices (on TPU / GPU, where the host CPUs are separate from the accelerators).
   """
   try:
     devices = jax.devices(platform)
   except RuntimeError as err:
     raise ValueError(f"config.devices.platform={platform!r}: no such devices here ({err})") from err
-  needed = sum(math.prod(shape) for shape in learner_mesh_shapes)
+  sharing = learners_sharing_devices
+  needed = sum(math.prod(shape) for shape in learner_mesh_shapes[::sharing])
   cpu_shared = platform == "cpu"
   total_needed = needed + (syncer_devices if cpu_shared else 0)
   if total_needed > len(devices):
+    shared = (f" shared by groups of config.devices.learners_sharing_devices={sharing}"
+              if sharing > 1 else "")
     raise ValueError(
-        f"config.learner_mesh_shapes={learner_mesh_shapes} (+ config.syncer.num_devices="
+        f"config.learner_mesh_shapes={learner_mesh_shapes}{shared} (+ config.syncer.num_devices="
         f"{syncer_devices} on CPU) need {total_needed} {platform} devices but only {len(devices)} "
         f"exist; raise config.devices.num_fake_cpu_devices or shrink the meshes")
   learner_meshes = []
   start = 0
-  for shape in learner_mesh_shapes:
+  for index, shape in enumerate(learner_mesh_shapes):
     axes = learner_axes(shape)
     chunk = devices[start:start + math.prod(axes)]
     learner_meshes.append(Mesh(np.array(chunk).reshape(axes), LEARNER_AXES))
-    start += math.prod(axes)
+    if index % sharing == sharing - 1:  # the group's last learner: the next group moves on
+      start += math.prod(axes)
   syncer_mesh = None
   if syncer_devices:
     if cpu_shared:

@@ -74,6 +74,7 @@ from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import schedule as schedule_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime import device_share
 from decoupled_diloco.runtime import messages
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import profiling
@@ -244,8 +245,11 @@ class Learner:
       incarnation: int = 0,
       peer_repairing: Callable[[], bool] | None = None,
       group: ProcessGroup | None = None,
+      turns: device_share.DeviceTurns | None = None,
   ):
     self.index = index
+    # Learners that share this one's devices: its steps take turns with theirs.
+    self._turns = turns
     # A learner over several processes: every change of its state is agreed at a step boundary.
     self._group = group
     # 0 for the learner the run started; one more for each restart after a failure (spec §6).
@@ -503,7 +507,7 @@ class Learner:
         param_shardings=self._shardings, batches=self._batches, fragments=self._fragments,
         options=self._options, syncer=self._syncer, metrics=self._metrics, snapshot=snapshot,
         step_hook=self._step_hook, layout=self._layout, incarnation=self.incarnation + 1,
-        peer_repairing=self._peer_repairing)
+        peer_repairing=self._peer_repairing, turns=self._turns)
 
   @property
   def offers_made(self) -> np.ndarray:
@@ -619,7 +623,7 @@ class Learner:
       self._took(batch)
       tokens = int(batch["targets"].size)
       self._publishable(current)  # with donation: the copy to publish, before `current` is gone
-      self._state, step_metrics = self._train_step(current, batch)
+      self._state, step_metrics = self._step_in_turn(current, batch)
       # The previous step's loss is read after this one is dispatched, which keeps the devices
       # busy (nanodo's pattern); a step's time is the time between two completed steps. Once it
       # has completed, `current` is a completed state: publish it with the counters that
@@ -649,6 +653,19 @@ class Learner:
     self._stepping = False  # the last state is never donated: publications refer to it
     if in_flight is not None:
       self._complete(in_flight, last_done, self._state)
+
+  def _step_in_turn(self, state: inner.TrainState, batch: dict[str, np.ndarray]):
+    """Dispatches the step; on devices shared with other learners, in this learner's turn, which
+    it hands on once the step has left the devices (runtime/device_share.py)."""
+    if self._turns is None:
+      return self._train_step(state, batch)
+    self._turns.enter(self.index)
+    try:
+      new_state, step_metrics = self._train_step(state, batch)
+      jax.block_until_ready(step_metrics)
+    finally:
+      self._turns.leave(self.index)
+    return new_state, step_metrics
 
   def _complete(self, in_flight, last_done: float, state: inner.TrainState) -> float:
     """Waits for a dispatched step, records it, publishes `state` and reports; returns its end."""

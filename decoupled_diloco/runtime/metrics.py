@@ -54,6 +54,11 @@ TAPE_KINDS = frozenset({"fault", "rejoin", "syncer_restart", "job_restart", "che
                         "back"})
 
 
+# Records a reader watching a run waits for (progress, evaluations: a benchmark that stops a run
+# at its time limit reports from them), written through at once; a few per log_every steps.
+_FLUSHED_KINDS = frozenset({"learner", "eval"})
+
+
 class MetricsWriter:
   """Appends records to workdir/metrics.jsonl and scalars to TensorBoard under workdir/tb; with
   `tape`, the event tape to workdir/tape.jsonl."""
@@ -89,6 +94,8 @@ class MetricsWriter:
     text = json.dumps(line) + "\n"
     with self._lock:
       self._jsonl.write(text)
+      if kind in _FLUSHED_KINDS:
+        self._jsonl.flush()
       if self._tape is not None and kind in TAPE_KINDS:
         self._tape.write(text)
       if self._tb is not None and scalars and step is not None:

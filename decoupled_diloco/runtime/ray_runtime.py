@@ -223,7 +223,7 @@ class LearnerProcess:
     initial = {n: learner_lib.host_array(v) for n, v in params.items()}
     tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
     train_step, state, shardings, batches, self.compile_s = train.learner_parts(
-        settings, index, mesh, graphdef, initial, tx, dataset)
+        settings, index, mesh, graphdef, initial, tx, dataset, own_process=True)
     sync = settings.sync
     fragments = fragments_lib.partition(
         model_lib.param_shapes(settings.model), sync.num_fragments, sync.fragmentation,
@@ -993,6 +993,12 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
     env = {"JAX_PLATFORMS": settings.devices.platform}
     if settings.devices.platform == "cpu":
       env["XLA_FLAGS"] = devices_lib.xla_flags_with_device_count(math.prod(shape) // processes)
+    elif settings.devices.learners_sharing_devices > 1:
+      # Learner processes that share a GPU: each JAX would take 75% of its memory at start-up.
+      # Each takes its share of that instead, which its own memory check then holds it to.
+      # Not run on a GPU so far.
+      env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = (
+          f"{0.75 / settings.devices.learners_sharing_devices:.4f}")
     tag = secrets.token_hex(4)
     placement = {}
     if processes > 1:

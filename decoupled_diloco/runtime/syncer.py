@@ -211,6 +211,7 @@ class Syncer:
       metrics: metrics_lib.MetricsWriter | None = None,
       network: network_lib.Network | None = None,
       inner_learning_rates: Sequence[float] | np.ndarray | None = None,
+      learners_sharing_devices: int = 1,
       clock: Callable[[], float] = time.monotonic,
   ):
     # Seconds for the quorum and grace deadlines, heartbeats and timings on the tape. A test may
@@ -218,6 +219,8 @@ class Syncer:
     # puts it.
     self._now = clock
     self._sync = sync
+    # Learners per set of devices: the heartbeat's floor before a first report grows with it.
+    self._sharing = learners_sharing_devices
     self._network = network  # the links to the learners go through it (partitions)
     self._schedule = sync.schedule
     self._metrics = metrics
@@ -623,9 +626,10 @@ class Syncer:
     watched = self._live & self._training
     emas = {m: ema.value for m, ema in self._grace.step_times}
     absent = heartbeat.absent({m: self._last_report_at.get(m, now) for m in watched}, emas, now,
-                              self._sync.heartbeat_timeout_s)
+                              self._sync.heartbeat_timeout_s, self._sharing)
     for m in sorted(absent - self._absent):
-      self._mark_absent(m, now, heartbeat.timeout_s(self._sync.heartbeat_timeout_s, emas.get(m)))
+      self._mark_absent(m, now, heartbeat.timeout_s(self._sync.heartbeat_timeout_s, emas.get(m),
+                                                    self._sharing))
     for m in sorted(self._absent - absent):
       if m in self._live:
         self._take_back(m, now)

@@ -78,3 +78,35 @@ def steps_outside(step_ends: Sequence[float], step_times: Sequence[float],
     count += 1
     seconds += duration
   return count, seconds
+
+
+def shared_steps_outside(learners: Sequence[tuple[Sequence[float], Sequence[float]]],
+                         windows: Sequence[tuple[float, float]]) -> tuple[list[int], float]:
+  """Of learners that share devices, each given as (step_ends, step_times): per learner the count
+  of its steps that overlap none of `windows`, and the seconds their devices were stepping, the
+  union of those steps' intervals.
+
+  A learner that shares its devices with n - 1 others measures a step as one turn of all of them
+  (runtime/device_share.py): summed over the n learners, their step seconds count the devices'
+  time n times over, and tokens per device-second would read n times too low. The union counts
+  each second once, whoever's steps filled it, and stays right while some of them are down.
+  """
+  counts, intervals = [], []
+  for step_ends, step_times in learners:
+    count = 0
+    for end, duration in zip(step_ends, step_times):
+      start = end - duration
+      if any(start < w_end and w_start < end for w_start, w_end in windows):
+        continue
+      count += 1
+      intervals.append((start, end))
+    counts.append(count)
+  seconds, reach = 0.0, None
+  for start, end in sorted(intervals):
+    if reach is None or start > reach:
+      seconds += end - start
+      reach = end
+    elif end > reach:
+      seconds += end - reach
+      reach = end
+  return counts, seconds

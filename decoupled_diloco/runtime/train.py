@@ -22,6 +22,7 @@ import secrets
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +44,8 @@ from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import tokenizers
 from decoupled_diloco.runtime import checkpoint_faults
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
+from decoupled_diloco.runtime import device_memory
+from decoupled_diloco.runtime import device_share
 from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import goodput as goodput_lib
@@ -96,6 +99,8 @@ class Run:
   eval_windows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   # The global model on the validation split too (config.data.validation_fraction > 0).
   validator: evaluate.Evaluator | None = None
+  # time.monotonic() when `build` started: the origin of the first-step times in the summary.
+  build_started_at: float | None = None
 
 
 class Interrupted(Exception):
@@ -141,6 +146,7 @@ def build(settings: settings_lib.RunSettings, *,
           with_syncer: bool = True) -> Run:
   """Partitions devices, builds learners and syncer and compiles their steps."""
   start = time.perf_counter()
+  build_started_at = time.monotonic()
   if settings.replay:
     # A replay keeps earlier states for the takes that name them: none may be donated (donation
     # changes where a state lives, not its values).
@@ -162,7 +168,8 @@ def build(settings: settings_lib.RunSettings, *,
   # for the model's initialisation and the evaluations; each learner makes its own mesh.
   learner_meshes, syncer_mesh = devices_lib.build_meshes(
       ((1, 1),) if in_processes else settings.learner_mesh_shapes, settings.syncer.num_devices,
-      "cpu" if in_processes else settings.devices.platform)
+      "cpu" if in_processes else settings.devices.platform,
+      1 if in_processes else settings.devices.learners_sharing_devices)
   if settings.replay and restored is not None:
     raise event_tape.TapeError(f"config.replay={settings.replay!r}: config.workdir={settings.workdir!r} "
                      "holds a checkpoint; a replay starts from the recording's start, in a fresh "
@@ -264,6 +271,8 @@ def build(settings: settings_lib.RunSettings, *,
       cut = learner_cuts.get(learner.index)
       syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation,
                     anchor_versions=learner.counters().anchor_versions if cut else None)
+  # Learners on the same devices take turns on them (runtime/device_share.py).
+  turns = device_share.turns_for(len(built), settings.devices.learners_sharing_devices)
   for index, (train_step, state, shardings, batches) in enumerate(built):
     options = learner_options(settings, index)
     cut = learner_cuts.get(index)
@@ -273,7 +282,8 @@ def build(settings: settings_lib.RunSettings, *,
         options=options,
         snapshot=job_state.learner_snapshot(cut, state) if cut is not None else None,
         incarnation=cut.incarnation if cut is not None else 0,
-        peer_repairing=peer_repairing if sync is not None and sync.lock_step else None)
+        peer_repairing=peer_repairing if sync is not None and sync.lock_step else None,
+        turns=turns[index])
     learners.append(learner)
     if syncer is not None and index not in held_back:
       syncer.attach(index, learner, step=learner.step, incarnation=learner.incarnation,
@@ -353,7 +363,7 @@ def build(settings: settings_lib.RunSettings, *,
              model_lib.num_params(initial), time.perf_counter() - start, compile_seconds,
              injector, supervisor, saver if settings.checkpoint.every_steps else None,
              history, restored, keeper, corrupter, restarter=restarter, data_info=data_info,
-             validator=validator)
+             validator=validator, build_started_at=build_started_at)
 
 
 def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=None,
@@ -382,7 +392,8 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
       num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
       metrics=metrics, network=network,
       # The robust merge judges outer-gradient norms per unit of the learners' learning rate.
-      inner_learning_rates=inner.learning_rates(settings.inner, settings.num_steps))
+      inner_learning_rates=inner.learning_rates(settings.inner, settings.num_steps),
+      learners_sharing_devices=settings.devices.learners_sharing_devices)
   made.compile()
   return made
 
@@ -407,19 +418,23 @@ def compile_workers(num_learners: int, cpu_count: int | None = None) -> int:
 _TRAIN_STEPS: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
 _TRAIN_STEPS_LOCK = threading.Lock()
 _MAX_TRAIN_STEPS = 16
+# A lock per jitted step: learners that share devices (and so the step) compile it once.
+_COMPILING: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
 
 
 def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef, initial, tx,
-                  dataset: data_lib.Dataset):
+                  dataset: data_lib.Dataset, *, own_process: bool = False):
   """Learner `index`'s compiled step, initial state on `mesh`, parameter shardings and batches,
   and the seconds its step took to compile. The same in every runtime: a learner thread of this
-  process, or a learner process of its own (`runtime/ray_runtime.py`)."""
+  process, or a learner process of its own (`runtime/ray_runtime.py`, `own_process`: its devices
+  hold only this learner, as far as this process can tell).
+
+  Where the device's memory is known the step is compiled first, from shapes alone, and the
+  devices' needs are checked against it before any state is placed (runtime/device_memory.py)."""
   shardings = model_lib.param_shardings(settings.model, mesh)
-  # Every learner starts from the same parameters (the same seed gives the same values on any
-  # mesh): placed from the host instead of compiling the initialiser once per mesh.
-  params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
-  state = inner.init_train_state(params, tx, mesh, shardings)
-  state_shardings = inner.train_state_shardings(state, mesh, shardings)
+  abstract = inner.abstract_train_state(
+      {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in initial.items()}, tx, mesh, shardings)
+  state_shardings = inner.train_state_shardings(abstract, mesh, shardings)
   leaves, treedef = jax.tree.flatten(state_shardings)
   # `tx` is made from settings.inner and num_steps alone (make_inner_optimizer); its schedule is
   # an argument of the program, so the program does not depend on it.
@@ -433,10 +448,20 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
     _TRAIN_STEPS[key] = train_step  # the newest last; the oldest goes first
     while len(_TRAIN_STEPS) > _MAX_TRAIN_STEPS:
       _TRAIN_STEPS.popitem(last=False)
+    # Learners that share devices share the program too: one compiles it, the others wait.
+    compiling = _COMPILING.setdefault(train_step, threading.Lock())
   train_step = train_step.with_schedule(tx.schedule_values)
   started = time.perf_counter()
   batch_size = settings.learner_batch_sizes[index]
-  _compile(train_step, state, batch_size, settings.data.seq_len)
+  sharing = 1 if own_process else settings.devices.learners_sharing_devices
+  with compiling:
+    device_memory.check_learner(settings, train_step, abstract, batch_size, mesh,
+                                learners=sharing, holds_eval=not own_process and index < sharing)
+    # Every learner starts from the same parameters (the same seed gives the same values on any
+    # mesh): placed from the host instead of compiling the initialiser once per mesh.
+    params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
+    state = inner.init_train_state(params, tx, mesh, shardings)
+    _compile(train_step, state, batch_size, settings.data.seq_len)
   seconds = time.perf_counter() - started
   loader = data_lib.make_train_loader(
       dataset.train, seq_len=settings.data.seq_len, batch_size=batch_size,
@@ -1074,14 +1099,26 @@ def _throughput(run: Run, learners, last: int | None = None) -> throughput_lib.T
   evaluation: tokens over step seconds x devices, and MFU (runtime/throughput.py)."""
   settings = run.settings
   tokens = device_seconds = 0.0
+  sharing = settings.devices.learners_sharing_devices
+  groups: dict[int, list[Any]] = {}  # learners (every incarnation) by the devices they share
   for learner in learners:
-    # A learner thread may append a step between the two reads: pair them from the start.
-    done = min(len(learner.step_ends), len(learner.step_times))
-    first = max(done - last, 0) if last is not None else 0
-    ends, times = learner.step_ends[first:done], learner.step_times[first:done]
-    count, seconds = throughput_lib.steps_outside(ends, times, run.eval_windows)
-    tokens += count * settings.tokens_per_step(learner.index)
-    device_seconds += seconds * len(learner.mesh_devices)
+    groups.setdefault(learner.index // sharing, []).append(learner)
+  for group in groups.values():
+    steps = []
+    for learner in group:
+      # A learner thread may append a step between the two reads: pair them from the start.
+      done = min(len(learner.step_ends), len(learner.step_times))
+      first = max(done - last, 0) if last is not None else 0
+      steps.append((learner.step_ends[first:done], learner.step_times[first:done]))
+    if sharing > 1:
+      # Their steps took turns on these devices: count each second of them once.
+      counts, seconds = throughput_lib.shared_steps_outside(steps, run.eval_windows)
+    else:
+      outside = [throughput_lib.steps_outside(ends, times, run.eval_windows)
+                 for ends, times in steps]
+      counts, seconds = [c for c, _ in outside], sum(s for _, s in outside)
+    tokens += sum(c * settings.tokens_per_step(l.index) for c, l in zip(counts, group))
+    device_seconds += seconds * len(group[0].mesh_devices)
   return throughput_lib.throughput(
       tokens, device_seconds, flops_lib.model_flops_per_token(settings.model, settings.data.seq_len),
       throughput_lib.peak_flops_per_s(_device_kind(run)))
@@ -1131,6 +1168,9 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "train_seconds": train_seconds,
       "build_seconds": run.build_seconds,
       **{k: round(v, 3) for k, v in run.compile_seconds.items()},
+      # Seconds from the start of the build to the first step of the first / the last learner
+      # (learners sharing devices make their first steps one after another); None: no step.
+      **_first_steps(run, incarnations),
       "learner_steps": final_steps,
       "learner_steps_per_s": [len(l.step_times) / max(sum(l.step_times), 1e-9) for l in learners],
       "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
@@ -1186,6 +1226,14 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
   else:
     summary.update(_job_restart_summary(run, tokens_per_step[0]))
   return summary
+
+
+def _first_steps(run: Run, incarnations) -> dict[str, float | None]:
+  firsts = [l.first_step_done_at - run.build_started_at for l in incarnations
+            if l.incarnation == 0 and l.first_step_done_at is not None
+            and run.build_started_at is not None]
+  return {"first_step_s": round(min(firsts), 3) if firsts else None,
+          "last_first_step_s": round(max(firsts), 3) if firsts else None}
 
 
 def _retired(run: Run) -> list[learner_lib.Learner]:
