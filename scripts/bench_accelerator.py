@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -69,15 +70,6 @@ def num_params(size: dict) -> int:
   d, layers = size["model.embed_dim"], size["model.num_layers"]
   hk, f = size["model.num_heads"] * size["model.head_dim"], size["model.mlp_dim"]
   return 256 * d + layers * (4 * d * hk + 3 * d * f + 2 * d) + d
-
-
-def _framework_run(name: str, overrides: dict, platform: str, workdir: str, timeout: int) -> dict:
-  del platform  # the config says it
-  summary = framework_runs.framework_run(name, overrides, workdir, timeout)
-  if summary["status"] != "done":
-    sys.stderr.write(summary.get("log_tail", ""))
-    raise RuntimeError(f"{name} {summary['status']} (exit code {summary['returncode']})")
-  return summary
 
 
 def _reference_run(size: dict, steps: int, platform: str, timeout: int) -> dict:
@@ -188,6 +180,34 @@ def reference_step(size: dict, steps: int) -> dict:
           "device_peak_bytes": stats.get("peak_bytes_in_use")}
 
 
+def _run_one(name: str, size: dict, steps: int, platform: str, common: dict,
+             timeout_s: float) -> dict:
+  """One run's figures; a run that failed or ran out of time is recorded with its status."""
+  tokens_per_step = size["data.seq_len"] * size["data.batch_size"]
+  if name == "reference":
+    try:
+      return {"status": "done", **_reference_run(size, steps, platform, timeout_s)}
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+      return {"status": "failed", "error": str(err)[-2000:]}
+  workdir = f"/tmp/bench_accelerator/{name}"
+  shutil.rmtree(workdir, ignore_errors=True)  # afresh: a run resumes the checkpoint it finds
+  s = framework_runs.framework_run(name, {**common, **RUNS[name]}, workdir, timeout_s)
+  if s["status"] != "done":
+    sys.stderr.write(s.get("log_tail", ""))
+    return {k: s.get(k) for k in ("status", "returncode", "process_seconds",
+                                  "process_to_first_step_s", "log_tail")}
+  return {"status": "done", "tokens_per_s": s["learner_steps_per_s"][0] * tokens_per_step,
+          "final_eval_loss": s["final_eval_loss"], "host_peak_rss_bytes": s["host_peak_rss_bytes"],
+          "device_peak_bytes": s["device_peak_bytes"], "build_seconds": s["build_seconds"],
+          **{k: s[k] for k in ("init_compile_s", "train_compile_s", "eval_compile_s",
+                               "syncer_compile_s", "eval_seconds", "merges", "merges_due",
+                               "merges_before_flush", "late_offers", "double_merged_offers",
+                               "unmerged_steps_at_end", "num_params", "process_seconds",
+                               "first_step_s", "process_to_first_step_s")
+             if k in s},
+          "syncer_held_bytes": s.get("syncer_held_bytes")}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--size", default=None, choices=sorted(SIZES),
@@ -195,14 +215,21 @@ def main():
   parser.add_argument("--steps", type=int, default=None, help="inner steps per run")
   parser.add_argument("--runs", default="dp,decoupled_identity,decoupled,reference")
   parser.add_argument("--attention", default=None, help="config.model.attention override")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="another config override for the framework runs, e.g. "
+                           "syncer.num_workers=8 or compilation_cache_dir=/tmp/jax_cache")
   parser.add_argument("--out", default=None, help="output prefix (default results/accelerator_*)")
   parser.add_argument("--timeout_s", type=int, default=3600, help="per run")
+  parser.add_argument("--budget_s", type=float, default=None,
+                      help="the whole script: each run gets at most an equal share of what is "
+                           "left (a run past its time is stopped and recorded as such)")
   parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.reference:
     print(json.dumps(reference_step(json.loads(args.reference), args.steps)))
     return
 
+  started = time.perf_counter()
   probe = framework_runs.probe()
   platform = probe["platform"]
   size_name = args.size or ("34m" if platform == "cpu" else "200m")
@@ -212,75 +239,87 @@ def main():
             # Issue 15's settings (tiny_cpu's before study 7 raised them for its 0.28M model).
             "inner.learning_rate": 3e-3, "outer.momentum": 0.6,
             "learner_mesh_shapes": "((1,1),)", "devices.platform": platform,
-            "devices.num_fake_cpu_devices": 2 if platform == "cpu" else 0}
+            "devices.num_fake_cpu_devices": 2 if platform == "cpu" else 0,
+            "checkpoint.every_steps": 0}  # no checkpoint writes in the timed steps
   if args.attention:
     common["model.attention"] = args.attention
+  for item in args.set:
+    field, _, value = item.partition("=")
+    common[field] = value
   print(f"{probe['kind']} ({platform}), size {size_name}: {num_params(size) / 1e6:.1f}M "
         f"parameters, {steps} steps per run", flush=True)
-  tokens_per_step = size["data.seq_len"] * size["data.batch_size"]
-  peak = framework_runs.peak_flops(probe["kind"])
-  per_token = flops_per_token(size)
+  out = args.out or str(ROOT / "results" / f"accelerator_{platform}_{size_name}")
+  names = args.runs.split(",")
   results = {}
-  for name in args.runs.split(","):
-    if name == "reference":
-      r = _reference_run(size, steps, platform, args.timeout_s)
-    else:
-      s = _framework_run(name, {**common, **RUNS[name]}, platform,
-                         f"/tmp/bench_accelerator/{name}", args.timeout_s)
-      r = {"tokens_per_s": s["learner_steps_per_s"][0] * tokens_per_step,
-           "final_eval_loss": s["final_eval_loss"], "host_peak_rss_bytes": s["host_peak_rss_bytes"],
-           "device_peak_bytes": s["device_peak_bytes"], "build_seconds": s["build_seconds"],
-           **{k: s[k] for k in ("init_compile_s", "train_compile_s", "eval_compile_s",
-                                "syncer_compile_s", "eval_seconds", "merges", "merges_due",
-                                "merges_before_flush", "late_offers", "double_merged_offers",
-                                "unmerged_steps_at_end", "num_params", "process_seconds")
-              if k in s},
-           "syncer_held_bytes": s.get("syncer_held_bytes")}
-    r["mfu"] = per_token * r["tokens_per_s"] / peak if peak else None
+  for i, name in enumerate(names):
+    timeout_s = args.timeout_s
+    if args.budget_s is not None:
+      left = args.budget_s - (time.perf_counter() - started) - 5.0
+      timeout_s = min(timeout_s, max(left / (len(names) - i), 10.0))
+    r = _run_one(name, size, steps, platform, common, timeout_s)
     results[name] = r
     print(f"{name:20s} " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in r.items()), flush=True)
+                                     for k, v in r.items() if k != "log_tail"), flush=True)
+    _report(out, probe, size_name, size, steps, results, args.set)  # after every run
+
+
+def _report(out: str, probe: dict, size_name: str, size: dict, steps: int, results: dict,
+            overrides: list[str]) -> None:
+  platform = probe["platform"]
+  peak = framework_runs.peak_flops(probe["kind"])
+  per_token = flops_per_token(size)
+  done = {name: r for name, r in results.items() if r["status"] == "done"}
+  for r in done.values():
+    r["mfu"] = per_token * r["tokens_per_s"] / peak if peak else None
   ratios = {}
-  if "dp" in results:
-    dp = results["dp"]
+  if "dp" in done:
+    dp = done["dp"]
     for name in ("decoupled_identity", "decoupled"):
-      if name in results:
-        ratios[f"{name}_eval_over_dp"] = results[name]["final_eval_loss"] / dp["final_eval_loss"]
-        ratios[f"{name}_steps_over_dp"] = results[name]["tokens_per_s"] / dp["tokens_per_s"]
-        ratios[f"{name}_rss_over_dp_bytes"] = (results[name]["host_peak_rss_bytes"]
+      if name in done:
+        ratios[f"{name}_eval_over_dp"] = done[name]["final_eval_loss"] / dp["final_eval_loss"]
+        ratios[f"{name}_steps_over_dp"] = done[name]["tokens_per_s"] / dp["tokens_per_s"]
+        ratios[f"{name}_rss_over_dp_bytes"] = (done[name]["host_peak_rss_bytes"]
                                               - dp["host_peak_rss_bytes"])
-    if "reference" in results:
-      ratios["dp_over_reference_tokens_per_s"] = dp["tokens_per_s"] / results["reference"][
+    if "reference" in done:
+      ratios["dp_over_reference_tokens_per_s"] = dp["tokens_per_s"] / done["reference"][
           "tokens_per_s"]
   fp32_param_bytes = 4 * num_params(size)
   report = {"device": probe, "size": size_name, "size_config": size, "steps": steps,
-            "num_params": num_params(size), "fp32_param_bytes": fp32_param_bytes,
-            "flops_per_token": per_token, "peak_flops": peak, "runs": results, "ratios": ratios,
+            "overrides": overrides, "num_params": num_params(size),
+            "fp32_param_bytes": fp32_param_bytes, "flops_per_token": per_token,
+            "peak_flops": peak, "runs": results, "ratios": ratios,
             "rss_allowance_bytes": 4 * fp32_param_bytes + 500_000_000}
-  out = args.out or str(ROOT / "results" / f"accelerator_{platform}_{size_name}")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   with open(out + ".json", "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2)
+  command = f"python scripts/bench_accelerator.py --size={size_name} --steps={steps}" + "".join(
+      f" --set={o}" for o in overrides)
   lines = [f"{probe['kind']} ({platform}), {num_params(size) / 1e6:.1f}M parameters, {steps} "
-           f"steps, one learner. `python scripts/bench_accelerator.py --size={size_name}`", "",
-           "| run | tokens/s | MFU | final eval | build s (init / train / eval / syncer) | host peak "
-           "RSS GB | device peak GB | merges / due |", "|---|---|---|---|---|---|---|---|"]
+           f"steps, one learner. `{command}`", "",
+           "| run | tokens/s | MFU | final eval | build s (init / train / eval / syncer) | first "
+           "step s | host peak RSS GB | device peak GB | merges / due |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
   for name, r in results.items():
-    gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
+    if r["status"] != "done":
+      lines.append(f"| {name} | {r['status']} | | | | | | | |")
+      continue
     build = (f"{r['build_seconds']:.1f} ({r['init_compile_s']:.1f} / {r['train_compile_s']:.1f} / "
              f"{r['eval_compile_s']:.1f} / {r['syncer_compile_s']:.1f})"
              if "build_seconds" in r else f"{r['compile_s']:.1f}")
+    first = r.get("process_to_first_step_s")
     merges = f"{r['merges_before_flush']} / {r['merges_due']}" if r.get("merges_due") else "-"
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {mfu} | "
                  f"{r.get('final_eval_loss', float('nan')):.4f} | {build} | "
+                 f"{'-' if first is None else f'{first:.1f}'} | "
                  f"{gb(r.get('host_peak_rss_bytes'))} | {gb(r.get('device_peak_bytes'))} | "
                  f"{merges} |")
   lines += ["", *(f"- {k}: {v:.4f}" if abs(v) < 1e6 else f"- {k}: {v / 1e9:.3f} GB"
                   for k, v in ratios.items())]
   with open(out + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
