@@ -22,7 +22,8 @@ def test_a_device_holds_its_shard_of_each_array():
 def test_what_a_device_holds_counts_every_learner_on_it_and_two_steps():
   """Four learners of 10 state bytes (4 of them parameters): donating, each keeps a copy of its
   parameters for its publication; not donating, a whole second state. Offers in flight: a copy
-  of the parameters each. Two steps' temporaries and batches at most; the eval model once."""
+  of the parameters each. Two steps' temporaries and batches at most (one for a learner alone,
+  whose steps follow each other on the device); the eval model once."""
   parts = device_memory.needs(state_bytes=10, params_bytes=4, step_temp_bytes=7, batch_bytes=1,
                               donates=True, learners=4, eval_params_bytes=3)
   assert parts == {"train states": 40, "publications": 16, "offers in flight": 16,
@@ -30,6 +31,7 @@ def test_what_a_device_holds_counts_every_learner_on_it_and_two_steps():
   parts = device_memory.needs(state_bytes=10, params_bytes=4, step_temp_bytes=7, batch_bytes=1,
                               donates=False, learners=1, eval_params_bytes=0)
   assert parts["publications"] == 10 and parts["train states"] == 10
+  assert parts["step working memory"] == 8
 
 
 def test_a_run_that_does_not_fit_fails_before_placing_anything_naming_the_fields(tmp_path):

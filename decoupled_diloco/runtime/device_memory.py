@@ -11,9 +11,11 @@ naming no field, so `build` asks first, per device, from the shapes alone and th
   is a second state);
 - offers in flight: n x one copy of the parameters (fragments the syncer took and has not merged
   hold their publication's arrays; at worst one of every fragment);
-- step working memory: SLOTS x (the compiled step's temporaries + its batch): at most that many
-  steps of the devices' learners are on them at once (runtime/device_share.py; a learner alone
-  dispatches one step ahead of the one running);
+- step working memory: the compiled step's temporaries + its batch, once per step that can be on
+  the devices at once: SLOTS for learners that share them (runtime/device_share.py; on an H200,
+  four learners of 124M peaked at 45.7 GB against 43.9 GB counted so), one for a learner alone,
+  whose steps run one after the other on the device's stream (counted twice, a 201.6M dp run
+  that peaks far below the H200's 112.6 GB pool was refused for 171.9 GB);
 - eval model: on learner 0's devices, the global model's float32 parameters.
 
 The eval program's own temporaries are not counted (it is compiled later, and runs between steps).
@@ -67,7 +69,7 @@ def needs(*, state_bytes: int, params_bytes: int, step_temp_bytes: int, batch_by
       "train states": learners * state_bytes,
       "publications": learners * (params_bytes if donates else state_bytes),
       "offers in flight": learners * params_bytes,
-      "step working memory": device_share.SLOTS * (step_temp_bytes + batch_bytes),
+      "step working memory": min(learners, device_share.SLOTS) * (step_temp_bytes + batch_bytes),
       "eval model": eval_params_bytes,
   }
 
