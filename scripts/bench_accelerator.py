@@ -264,11 +264,12 @@ def main():
     results[name] = r
     print(f"{name:20s} " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in r.items() if k != "log_tail"), flush=True)
-    _report(out, probe, size_name, size, steps, results, args.set)  # after every run
+    _report(out, probe, size_name, size, steps, results, args.set,  # after every run
+            "python scripts/bench_accelerator.py " + " ".join(sys.argv[1:]))
 
 
 def _report(out: str, probe: dict, size_name: str, size: dict, steps: int, results: dict,
-            overrides: list[str]) -> None:
+            overrides: list[str], command: str) -> None:
   platform = probe["platform"]
   peak = framework_runs.peak_flops(probe["kind"])
   per_token = flops_per_token(size)
@@ -289,15 +290,13 @@ def _report(out: str, probe: dict, size_name: str, size: dict, steps: int, resul
           "tokens_per_s"]
   fp32_param_bytes = 4 * num_params(size)
   report = {"device": probe, "size": size_name, "size_config": size, "steps": steps,
-            "overrides": overrides, "num_params": num_params(size),
+            "overrides": overrides, "command": command, "num_params": num_params(size),
             "fp32_param_bytes": fp32_param_bytes, "flops_per_token": per_token,
             "peak_flops": peak, "runs": results, "ratios": ratios,
             "rss_allowance_bytes": 4 * fp32_param_bytes + 500_000_000}
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   with open(out + ".json", "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2)
-  command = f"python scripts/bench_accelerator.py --size={size_name} --steps={steps}" + "".join(
-      f" --set={o}" for o in overrides)
   lines = [f"{probe['kind']} ({platform}), {num_params(size) / 1e6:.1f}M parameters, {steps} "
            f"steps, one learner. `{command}`", "",
            "| run | tokens/s | MFU | final eval | build s (init / train / eval / syncer) | first "
