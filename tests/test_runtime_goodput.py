@@ -37,6 +37,10 @@ def test_a_crashed_learner_is_down_while_repaired_and_goodput_drops(tmp_path):
     assert crashed["time_buckets"][m][tb.IDLE_DOWN] == 0.0
     assert crashed["time_buckets"][m][tb.RESTART] == 0.0
   assert clean["time_buckets"]["1"][tb.IDLE_DOWN] == 0.0
-  assert 0 < crashed["goodput"] < clean["goodput"] <= 1
+  # Goodput drops where the time went: the crashed learner's useful share is below each of its
+  # peers' in the same run (two runs would meet other loads of the host).
+  shares = {m: b[tb.USEFUL] / sum(b.values()) for m, b in crashed["time_buckets"].items()}
+  assert shares["1"] < min(shares[m] for m in ("0", "2", "3")), shares
+  assert 0 < crashed["goodput"] < 1 and 0 < clean["goodput"] <= 1
   # The others trained while learner 1 was down: the job as a whole never stopped.
   assert crashed["uptime"] > 0.8 and clean["uptime"] > 0.8
