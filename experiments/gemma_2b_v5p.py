@@ -30,6 +30,7 @@ def get_config():
   # weights and AdamW moments (~40 GB in float32 for 2.6B parameters) 32 ways, ~1.3 GB per chip;
   # the batch is split 16 ways (data x fsdp).
   config.learner_mesh_shapes = ((2, 8, 4),)
+  config.devices.tpu_topologies = ("v5p:4x4x4",)  # v5p-128: 64 chips in a 4x4x4 torus
   config.syncer.num_devices = 1  # host CPU devices of the controller
   config.sync.grace_cap_s = 5.0
   config.compression.outer_grad = "bf16"

@@ -21,6 +21,8 @@ def get_config():
   config.num_learners = 8
   # (data, fsdp, model): v6e chips hold 32 GB, so the weights are fully sharded on both kinds.
   config.learner_mesh_shapes = ((2, 8, 4),) * 4 + ((1, 8, 4),) * 4
+  # v6e-64 is an 8x8 slice; v5p-64 counts TensorCores: 32 chips, 2x4x4.
+  config.devices.tpu_topologies = ("v6e:8x8",) * 4 + ("v5p:2x4x4",) * 4
   config.data.batch_size = 32  # per learner; divides both data axes
   config.sync.quorum = 1
   config.sync.grace_gamma = 0.5

@@ -105,6 +105,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Fake host devices (XLA_FLAGS=--xla_force_host_platform_device_count), set before JAX starts;
   # 0 = use the real devices. 4 learners x 2 + 1 syncer device.
   config.devices.num_fake_cpu_devices = 9
+  # The TPU slice of each learner ("v5p:4x4x4"; one for all or one per learner), as the TPU
+  # experiments name them: a TPU run checks its chips against it, and scripts/aot_compile.py
+  # compiles every learner program for it on any host. () = none (CPU).
+  config.devices.tpu_topologies = ()
 
   config.num_learners = 4  # M
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or
