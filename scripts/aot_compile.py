@@ -164,6 +164,10 @@ def _markdown(doc):
                f"{c['count']} x, {_gib(c['bytes']):.2f} GiB, {_gib(c['ici_bytes_per_chip']):.2f}"
                for c in p.get("collectives", [])]
       out.append(f"- {p['program']}: " + ("; ".join(parts) if parts else "none"))
+    unknown = sum(p.get("unknown_trip_counts") or 0 for p in learner["programs"])
+    if unknown:
+      out += ["", f"**{unknown} loop(s) of unknown trip count were counted once: the FLOPs, "
+                  f"bytes and roofline above are lower bounds.**"]
     roof = learner.get("roofline")
     if roof:
       ici = f"{roof['ici_s'] * 1e3:.0f} ms" if roof["ici_s"] is not None else "n/a"

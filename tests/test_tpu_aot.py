@@ -52,7 +52,9 @@ def test_tiny_config_compiles_and_fits_on_two_tpu_topologies(tmp_path, topology)
   # The run's donation: the new state is written into the old one's buffers.
   state = step.fit.alongside_bytes  # the publication's copy of the parameters ...
   assert step.fit.memory.alias_bytes > 2 * state  # ... and the state: them and the two moments
-  # The compiler's matmuls are the analytic count (no remat: nothing recomputed).
+  # The compiler's matmuls are the analytic count (no remat: nothing recomputed), every loop
+  # (the scanned blocks, forward and backward) at its trip count.
+  assert step.hlo.unknown_trip_counts == 0
   assert step.hlo.matmul_flops == pytest.approx(step.analytic_flops, rel=FLOPS_TOLERANCE)
   per_chip = (flops.model_flops_per_token(settings.model, settings.data.seq_len)
               * settings.learner_batch_size * settings.data.seq_len / 4)
@@ -106,14 +108,16 @@ def test_hbm_bytes_of_a_loop_free_program_are_close_to_xla_s_own_count():
 
 
 # A counted loop as XLA:TPU writes its windowed einsums: the counter starts from a copied
-# constant and steps by 2 (bound 6: 3 trips), a dot of 2 x 8 x 8 x 8 FLOPs in the body.
+# constant, is copied before it steps by 2 (bound 6: 3 trips), a dot of 2 x 8 x 8 x 8 FLOPs in
+# the body.
 _COUNTED_BY_TWO = """
 %body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
   %p = (s32[], f32[8,8]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %x = f32[8,8] get-tuple-element(%p), index=1
   %two = s32[] constant(2)
-  %next = s32[] add(%i, %two)
+  %copied = s32[] copy(%i)
+  %next = s32[] add(%copied, %two)
   %y = f32[8,8] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   ROOT %t = (s32[], f32[8,8]) tuple(%next, %y)
 }
@@ -140,8 +144,8 @@ def test_a_loop_counting_by_two_runs_half_its_bound():
   stats = hlo_analysis.analyse(_COUNTED_BY_TWO, ("data",), (1,))
   assert stats.matmul_flops == 3 * 2 * 8**3 and stats.unknown_trip_counts == 0
   # Read as a loop of step 1 it would have run 6 times; unreadable, it is counted once, flagged.
-  unreadable = _COUNTED_BY_TWO.replace("%next = s32[] add(%i, %two)",
-                                       "%next = s32[] multiply(%i, %two)")
+  unreadable = _COUNTED_BY_TWO.replace("%next = s32[] add(%copied, %two)",
+                                       "%next = s32[] multiply(%copied, %two)")
   stats = hlo_analysis.analyse(unreadable, ("data",), (1,))
   assert stats.matmul_flops == 2 * 8**3 and stats.unknown_trip_counts == 1
 

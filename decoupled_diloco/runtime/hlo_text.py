@@ -165,7 +165,7 @@ def _compared_counter(condition: list[Instruction]) -> tuple[int | None, int]:
       counter, bound = right, constants[left]
     else:
       continue
-    index = _tuple_index(by_name.get(counter))
+    index = _tuple_index(_through_copies(by_name, counter))
     if index is not None:
       return index, bound
   return None, 0
@@ -181,9 +181,18 @@ def _counter_step(body: list[Instruction], index: int) -> int | None:
   if update is None or update.opcode != "add" or len(update.operands) != 2:
     return None
   for operand, other in (update.operands, update.operands[::-1]):
-    if operand in constants and _tuple_index(by_name.get(other)) == index:
+    if operand in constants and _tuple_index(_through_copies(by_name, other)) == index:
       return constants[operand]
   return None
+
+
+def _through_copies(by_name: dict[str, Instruction], name: str) -> Instruction | None:
+  """The instruction `name` copies or bitcasts, through any chain of them (XLA:TPU copies loop
+  counters and constants between memory spaces)."""
+  ins = by_name.get(name)
+  while ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
+    ins = by_name.get(ins.operands[0])
+  return ins
 
 
 def _initial_value(instruction: Instruction, computation: list[Instruction],
@@ -193,9 +202,7 @@ def _initial_value(instruction: Instruction, computation: list[Instruction],
   init = by_name.get(instruction.operands[0]) if instruction.operands else None
   if init is None or init.opcode != "tuple" or index >= len(init.operands):
     return None
-  value = by_name.get(init.operands[index])
-  while value is not None and value.opcode in ("copy", "bitcast") and value.operands:
-    value = by_name.get(value.operands[0])  # XLA:TPU copies the constant in
+  value = _through_copies(by_name, init.operands[index])
   return constants.get(value.name) if value is not None else None
 
 
