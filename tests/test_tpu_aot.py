@@ -150,6 +150,24 @@ def test_a_loop_counting_by_two_runs_half_its_bound():
   assert stats.matmul_flops == 2 * 8**3 and stats.unknown_trip_counts == 1
 
 
+def test_collectives_are_named_by_the_mesh_axes_they_span():
+  """The compiler prints the program's mesh its own way: data x fsdp merged into one axis of 16
+  here, axes of size 1 added. Every collective is named by our axes all the same."""
+  text = """
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024] parameter(0)
+  %r = f32[1024] all-reduce(%a), replica_groups=mesh['axis_0'=16,'axis_1'=1,'axis_2'=4] {'axis_0','axis_1'}, to_apply=%add
+  ROOT %g = f32[4096] all-gather(%r), replica_groups=[16,4]<=[64], dimensions={0}
+}
+"""
+  stats = hlo_analysis.analyse(text, ("data", "fsdp", "model"), (2, 8, 4))
+  by_kind = {c.kind: c for c in stats.collectives}
+  assert by_kind["all-reduce"].axes == ("data", "fsdp") and by_kind["all-reduce"].group_size == 16
+  assert by_kind["all-reduce"].ici_bytes_per_chip == 2 * 4096 * 15 / 16  # ring all-reduce
+  assert by_kind["all-gather"].axes == ("model",) and by_kind["all-gather"].group_size == 4
+  assert by_kind["all-gather"].ici_bytes_per_chip == 4 * 4096 * 3 / 4
+
+
 def _eight_b(tmp_path, **overrides):
   """Gemma-7B's shape (8.5B parameters) on one v5e chip."""
   return tiny_settings(

@@ -116,21 +116,31 @@ def _valid_taps(*, in_size: int, out_size: int, size: int, dim: int, fields: dic
 
 
 def _mesh_axes(printed: Sequence[tuple[str, str]], mesh_names: Sequence[str],
-               mesh_shape: Sequence[int]) -> dict[str, str]:
-  """The program's printed mesh axes ("axis_0", ...) as ours. The compiler prints our mesh with
-  axes of size 1 added or dropped and an axis possibly split in factors, in order: each of our
-  axes of size > 1 is the run of printed ones whose sizes multiply to its size."""
+               mesh_shape: Sequence[int]) -> dict[str, tuple[str, ...]]:
+  """The program's printed mesh axes ("axis_0", ...) as ours. The compiler prints our mesh in
+  order, with axes of size 1 added or dropped, an axis of ours split in factors or several of
+  ours merged into one: blocks of consecutive axes, ours and printed, of the same size."""
+  ours = [(name, size) for name, size in zip(mesh_names, mesh_shape) if size > 1]
   printed = [(name, int(size)) for name, size in printed if int(size) > 1]
-  rename, i = {}, 0
-  for name, size in zip(mesh_names, mesh_shape):
-    covered = 1
-    while covered < size and i < len(printed):
-      rename[printed[i][0]] = name
-      covered *= printed[i][1]
-      i += 1
-    if covered != size:
-      return {}
-  return rename if i == len(printed) else {}
+  rename: dict[str, tuple[str, ...]] = {}
+  i = j = 0
+  while i < len(ours) and j < len(printed):
+    block_ours, block_printed = [ours[i]], [printed[j]]
+    i, j = i + 1, j + 1
+    while math.prod(s for _, s in block_ours) != math.prod(s for _, s in block_printed):
+      if math.prod(s for _, s in block_ours) < math.prod(s for _, s in block_printed):
+        if i == len(ours):
+          return {}
+        block_ours.append(ours[i])
+        i += 1
+      else:
+        if j == len(printed):
+          return {}
+        block_printed.append(printed[j])
+        j += 1
+    for name, _ in block_printed:
+      rename[name] = tuple(n for n, _ in block_ours)
+  return rename if i == len(ours) and j == len(printed) else {}
 
 
 def _groups(ins: hlo_text.Instruction, mesh_names: Sequence[str], mesh_shape: Sequence[int]
@@ -143,7 +153,7 @@ def _groups(ins: hlo_text.Instruction, mesh_names: Sequence[str], mesh_shape: Se
     chosen = re.findall(r"'(\w+)'", named.group(2))
     sizes = {name: int(size) for name, size in printed}
     rename = _mesh_axes(printed, mesh_names, mesh_shape)
-    axes = [rename.get(a, a) for a in chosen if sizes[a] > 1]
+    axes = [n for a in chosen if sizes[a] > 1 for n in rename.get(a, (a,))]
     ordered = tuple(n for n in mesh_names if n in axes) + tuple(
         a for a in dict.fromkeys(axes) if a not in mesh_names)
     return ordered, math.prod(sizes[a] for a in chosen)
