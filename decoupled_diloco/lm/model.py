@@ -62,7 +62,10 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # config.model.remat: "none" keeps every activation for the backward pass; "full" keeps only each
 # block's input and recomputes the rest; the others are jax.checkpoint_policies of that name (what a
 # block keeps: "dots_saveable" its matmul outputs, "dots_with_no_batch_dims_saveable" those without
-# a batch dimension, i.e. almost none in a transformer block).
+# a batch dimension: the projections and the MLP, whose einsums contract D or F with no batch
+# dimension in dot_general's sense, but not attention's scores and weighted values, batched over
+# heads; the TPU compiler's FLOPs of such a step add exactly attention's forward matmuls:
+# results/aot_dense_5b_v5p.md).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "nothing_saveable", "everything_saveable")
 # "auto": the runtime picks the cheapest policy whose compiled TPU step fits the chip's HBM, at
