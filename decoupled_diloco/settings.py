@@ -22,6 +22,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import tempfile
 import typing
 from collections.abc import Sequence
@@ -70,6 +71,11 @@ class DevicesSettings:
   # Memory of one learner device the run may fill, in GB, checked before anything is placed
   # (runtime/device_memory.py); 0 = what the device reports (none on CPU: then unchecked).
   memory_per_device_gb: float
+  # Per learner, the TPU slice it runs on ("v5p:4x4x4"), one name for all or one per learner as
+  # the config gives it; resolved to one per learner, () when none is named (and in dp mode, one
+  # job over every learner's chips). A TPU run checks its chips' generation against it;
+  # scripts/aot_compile.py compiles each learner for it.
+  tpu_topologies: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,6 +473,33 @@ def _learners_sharing_devices(config, num_learners: int,
   return sharing
 
 
+# What scripts/aot_compile.py can compile for (a v4 chip is two devices, which this does not model).
+TPU_TOPOLOGY_GENERATIONS = ("v5p", "v5e", "v6e")
+
+
+def _tpu_topologies(config, num_learners: int, mesh_shapes: tuple[tuple[int, ...], ...]
+                    ) -> tuple[str, ...]:
+  names = _get(config, "devices.tpu_topologies")
+  if not isinstance(names, (list, tuple)) or len(names) not in (0, 1, num_learners):
+    _fail("devices.tpu_topologies", names,
+          f"must be empty, one topology name for all learners or one per learner "
+          f"(num_learners={num_learners})")
+  names = tuple(names) * (num_learners if len(names) == 1 else 1)
+  for index, name in enumerate(names):
+    match = re.fullmatch(r"(v5p|v5e|v6e):(\d+)x(\d+)(?:x(\d+))?", name) if isinstance(
+        name, str) else None
+    if match is None:
+      _fail("devices.tpu_topologies", names,
+            f"entry {index} must be a topology name like 'v5p:4x4x4' or 'v6e:8x8' "
+            f"(generation one of {', '.join(TPU_TOPOLOGY_GENERATIONS)})")
+    chips = math.prod(int(d) for d in match.groups()[1:] if d)
+    if chips != math.prod(mesh_shapes[index]):
+      _fail("devices.tpu_topologies", names,
+            f"{name} has {chips} chips but learner {index}'s mesh "
+            f"(config.learner_mesh_shapes) has {math.prod(mesh_shapes[index])} devices")
+  return names
+
+
 def _step_delays(config, num_learners: int) -> tuple[float, ...]:
   delays = _get(config, "learner_step_delays_s")
   if not isinstance(delays, (list, tuple)) or len(delays) not in (0, num_learners) or any(
@@ -719,7 +752,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       platform=_check_choice(config, "devices.platform", PLATFORMS),
       num_fake_cpu_devices=_check_int(config, "devices.num_fake_cpu_devices", 0),
       learners_sharing_devices=_learners_sharing_devices(config, num_learners, mesh_shapes),
-      memory_per_device_gb=_check_float(config, "devices.memory_per_device_gb", 0.0))
+      memory_per_device_gb=_check_float(config, "devices.memory_per_device_gb", 0.0),
+      tpu_topologies=_tpu_topologies(config, num_learners, mesh_shapes))
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
@@ -786,6 +820,11 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
             f"({tokenizer.name}); 0 = the tokenizer's vocabulary size")
   model_cfg = model_lib.ModelConfig(**model_fields)
 
+  if model_cfg.remat == "auto" and (devices.platform != "tpu" or runtime != "threads"):
+    _fail("model.remat", "auto", "picks a policy from the TPU compiler's memory figures at "
+          "start-up: it needs config.devices.platform='tpu' and config.runtime='threads' "
+          f"(not {devices.platform!r}, {runtime!r}); name a policy of "
+          f"{list(model_lib.REMAT_POLICIES)}")
   if model_cfg.attention == "cudnn" and devices.platform != "gpu":
     _fail("model.attention", model_cfg.attention,
           "needs config.devices.platform='gpu' (cuDNN flash attention has no CPU or TPU kernel)")
@@ -834,7 +873,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     delays = (max(delays),)
     num_learners, sync = 1, None
     syncer = dataclasses.replace(syncer, num_devices=0)
-    devices = dataclasses.replace(devices, learners_sharing_devices=1)
+    devices = dataclasses.replace(devices, learners_sharing_devices=1,
+                                  tpu_topologies=())
 
   for index, shape in enumerate(mesh_shapes):
     # The batch is split over data x fsdp (model.py's "batch" rule).

@@ -114,6 +114,10 @@ def get_config() -> ml_collections.ConfigDict:
   # step's working memory and the eval model), checked before anything is placed; 0 = what the
   # device reports (a GPU or TPU; a CPU reports nothing, so 0 leaves a CPU run unchecked).
   config.devices.memory_per_device_gb = 0.0
+  # The TPU slice of each learner ("v5p:4x4x4"; one for all or one per learner), as the TPU
+  # experiments name them: a TPU run checks its chips against it, and scripts/aot_compile.py
+  # compiles every learner program for it on any host. () = none (CPU).
+  config.devices.tpu_topologies = ()
 
   config.num_learners = 4  # M
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or

@@ -23,6 +23,9 @@ import time
 
 import numpy as np
 
+# The syncer is CPU-only by design: no accelerator backend starts (libtpu of the `tpu` extra
+# would look for chips and print warnings).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 

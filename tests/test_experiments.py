@@ -57,6 +57,7 @@ print(json.dumps({{"shapes": [list(m.devices.shape) for m in learner_meshes],
 @pytest.mark.parametrize("name,num_devices,shapes", [
     ("gemma_2b_v5p.py", 8 * 64 + 1, [[2, 8, 4]] * 8),
     ("hetero_v6e_v5p.py", 4 * 64 + 4 * 32 + 1, [[2, 8, 4]] * 4 + [[1, 8, 4]] * 4),
+    ("dense_5b_v5p.py", 8 * 64 + 1, [[2, 8, 4]] * 8),
 ])
 def test_tpu_reference_config_builds_its_learner_meshes(name, num_devices, shapes):
   path = os.path.join(ROOT, "experiments", name)

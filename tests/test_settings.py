@@ -68,6 +68,14 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("syncer.num_workers", 0, "config.syncer.num_workers=0"),
     ("model.attention", "flash", "config.model.attention='flash'"),
     ("donate_state", "yes", "config.donate_state='yes' is invalid: must be one of auto, always"),
+    ("devices.tpu_topologies", ("v5p-8",), "entry 0 must be a topology name like 'v5p:4x4x4'"),
+    ("devices.tpu_topologies", ("v4:2x2x1",), "generation one of v5p, v5e, v6e"),
+    ("devices.tpu_topologies", ("v5p:2x2x1",), "v5p:2x2x1 has 4 chips but learner 0's mesh "
+     "(config.learner_mesh_shapes) has 2 devices"),
+    ("devices.tpu_topologies", ("v6e:1x2",) * 3, "one per learner (num_learners=4)"),
+    ("model.remat", "auto", "config.model.remat='auto' is invalid: picks a policy from the TPU "
+     "compiler's memory figures at start-up: it needs config.devices.platform='tpu'"),
+    ("model.remat", "some", "config.model.remat='some' must be one of"),
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
   _assert_fails(field, value, needle)
@@ -87,6 +95,24 @@ def test_the_renamed_data_path_says_its_new_name_and_why():
 def test_vocab_size_zero_is_the_tokenizers():
   assert settings.validate(tiny_cpu.get_config()).model.vocab_size == 256
   assert settings.validate(_config(**{"model.vocab_size": 512})).model.vocab_size == 512
+
+
+def test_tpu_topologies_name_one_slice_per_learner_of_its_mesh_size():
+  run = settings.validate(_config(**{"devices.tpu_topologies": ("v6e:1x2",)}))
+  assert run.devices.tpu_topologies == ("v6e:1x2",) * 4
+  run = settings.validate(_config(**{"devices.tpu_topologies": ("v6e:1x2", "v5p:2x1x1") * 2}))
+  assert run.devices.tpu_topologies == ("v6e:1x2", "v5p:2x1x1") * 2
+  # dp is one job over every learner's chips: no learner slice of its own.
+  run = settings.validate(_config(**{"devices.tpu_topologies": ("v6e:1x2",), "mode": "dp"}))
+  assert run.devices.tpu_topologies == ()
+
+
+def test_remat_auto_is_a_tpu_threads_run_choice():
+  config = _config(**{"model.remat": "auto", "devices.platform": "tpu"})
+  assert settings.validate(config).model.remat == "auto"  # resolved at start-up, on the chips
+  config.runtime = "ray"
+  with pytest.raises(ValueError, match=r"config.model.remat='auto'.*config.runtime='threads'"):
+    settings.validate(config)
 
 
 def test_cudnn_attention_needs_gpu_devices():

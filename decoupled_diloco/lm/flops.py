@@ -19,6 +19,11 @@ appendix B), spelled out for this decoder (model.py):
 Softmax, norms, activations, rotary embeddings and the optimizer update are not counted: model
 FLOPs are the matmuls the model needs, whatever the implementation, so MFU compares across
 runtimes and hardware. No JAX here, so a script that must not start JAX can import it.
+
+What a compiled train step multiplies is more when blocks are rematerialised
+(config.model.remat): the backward pass runs the forward matmuls it did not keep again.
+`train_flops_per_token` adds them, which is what the TPU compiler's count of a step is compared
+with (runtime/tpu_aot.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class _ModelShape(Protocol):
   num_heads: int
   head_dim: int
   mlp_dim: int
+  remat: str
 
 
 def matmul_params(cfg: _ModelShape) -> int:
@@ -51,3 +57,33 @@ def attention_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
 def model_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
   """Training FLOPs per token: 6 N_matmul + 12 L s H K (see the module docstring)."""
   return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+
+
+def block_forward_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """The blocks' forward matmuls per token: projections, MLP and attention (no unembedding)."""
+  d, hk, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.mlp_dim
+  return 2 * cfg.num_layers * (4 * d * hk + 3 * d * f) + 4 * cfg.num_layers * seq_len * hk
+
+
+def forward_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """An evaluation's matmuls per token: 2 N_matmul + 4 L s H K."""
+  return 2 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len) // 3
+
+
+# The forward matmuls a remat policy runs again in the backward pass: "full" and
+# "nothing_saveable" keep only a block's input; "dots_with_no_batch_dims_saveable" keeps the
+# projections and MLP (dot_generals without batch dimensions) but not attention's scores and
+# weighted values (batched over heads); the others keep every matmul output.
+_RECOMPUTED = {"full": "blocks", "nothing_saveable": "blocks",
+               "dots_with_no_batch_dims_saveable": "attention"}
+
+
+def train_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """Matmul FLOPs per token of a train step under `cfg.remat`: the model FLOPs plus the forward
+  matmuls rematerialisation repeats."""
+  if cfg.remat == "auto":
+    raise ValueError("config.model.remat='auto' must be resolved to a policy first")
+  recomputed = _RECOMPUTED.get(cfg.remat)
+  extra = {None: 0, "blocks": block_forward_flops_per_token(cfg, seq_len),
+           "attention": attention_flops_per_token(cfg, seq_len) // 3}[recomputed]
+  return model_flops_per_token(cfg, seq_len) + extra

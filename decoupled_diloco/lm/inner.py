@@ -229,6 +229,12 @@ def init_train_state(params: dict[str, jax.Array], tx: optax.GradientTransformat
   return TrainState(params=params, opt_state=opt_state, step=step)
 
 
+def abstract_batch(mesh: Mesh, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """A learner's [B, L] token batch as sharded ShapeDtypeStructs."""
+  like = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+  return {"inputs": like, "targets": like}
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """[B, L] token batches: batch split over data x fsdp (the "batch" logical rule), length whole."""
   return NamedSharding(mesh, model.logical_to_mesh_spec(("batch", None), mesh))
@@ -248,8 +254,8 @@ def _batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
 
 
 def _mean_loss(graphdef: nnx.GraphDef, params: dict[str, jax.Array],
-               batch: dict[str, jax.Array]) -> jax.Array:
-  logits_BxLxV = model.apply(graphdef, params, batch["inputs"])
+               batch: dict[str, jax.Array], activations: NamedSharding) -> jax.Array:
+  logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations)
   return jnp.mean(model.cross_entropy(logits_BxLxV, batch["targets"]))
 
 
@@ -273,12 +279,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
   def train_step(state: TrainState, batch: dict[str, jax.Array], schedule: jax.Array
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
     step_tx = tx.traced(schedule) if isinstance(tx, InnerOptimizer) else tx
-    loss, grads = jax.value_and_grad(_mean_loss, argnums=1)(graphdef, state.params, batch)
+    loss, grads = jax.value_and_grad(_mean_loss, argnums=1)(graphdef, state.params, batch,
+                                                            activations)
     updates, opt_state = step_tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
+  activations = model.residual_sharding(mesh)
   replicated = _replicated(mesh)
   jitted = jax.jit(
       train_step,
@@ -299,17 +307,23 @@ class TrainStep:
     self.mesh = mesh
     self.donates_state = donates_state
     self.schedule_values = np.asarray(schedule_values, np.float32)
-    self._schedule = jax.device_put(self.schedule_values, _replicated(mesh))
+    # Placed at the first call: a step made to be compiled only, for a mesh of compile-only
+    # devices (runtime/tpu_aot.py), never places anything.
+    self._schedule = None
     # A mesh over several processes (a learner over several hosts): every process holds the
     # whole batch, and hands the step the rows its devices take.
     self._spans = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
   def __call__(self, state: TrainState, batch: dict[str, Any]
                ) -> tuple[TrainState, dict[str, jax.Array]]:
+    if self._schedule is None:
+      self._schedule = jax.device_put(self.schedule_values, _replicated(self.mesh))
     return self.jitted(state, self._global(batch), self._schedule)
 
   def lower(self, state: Any, batch: Any) -> Any:
-    return self.jitted.lower(state, self._global(batch), self._schedule)
+    schedule = jax.ShapeDtypeStruct(self.schedule_values.shape, jnp.float32,
+                                    sharding=_replicated(self.mesh))
+    return self.jitted.lower(state, self._global(batch), schedule)
 
   def _global(self, batch: dict[str, Any]) -> dict[str, Any]:
     if not self._spans:
@@ -352,9 +366,11 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
   it); the model axis still splits the model.
   """
 
+  activations = model.residual_sharding(mesh) if batch_sharded else None
+
   def eval_step(params: dict[str, jax.Array], batch: dict[str, jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:
-    logits_BxLxV = model.apply(graphdef, params, batch["inputs"])
+    logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations)
     nats_BxL = model.cross_entropy(logits_BxLxV, batch["targets"])
     return jnp.sum(nats_BxL), jnp.asarray(nats_BxL.size, jnp.int32)
 
@@ -379,10 +395,12 @@ def make_eval_over_batches(graphdef: nnx.GraphDef, mesh: Mesh,
   devices took 21 s one by one, ~1 s as one program).
   """
 
+  activations = model.residual_sharding(mesh) if batch_sharded else None
+
   def eval_all(params: dict[str, jax.Array], batches: dict[str, jax.Array]
                ) -> tuple[jax.Array, jax.Array]:
     def body(total, batch):
-      logits_BxLxV = model.apply(graphdef, params, batch["inputs"])
+      logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations)
       nats_BxL = model.cross_entropy(logits_BxLxV, batch["targets"])
       return total + jnp.sum(nats_BxL), None
 

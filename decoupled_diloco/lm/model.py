@@ -62,9 +62,15 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # config.model.remat: "none" keeps every activation for the backward pass; "full" keeps only each
 # block's input and recomputes the rest; the others are jax.checkpoint_policies of that name (what a
 # block keeps: "dots_saveable" its matmul outputs, "dots_with_no_batch_dims_saveable" those without
-# a batch dimension, i.e. almost none in a transformer block).
+# a batch dimension: the projections and the MLP, whose einsums contract D or F with no batch
+# dimension in dot_general's sense, but not attention's scores and weighted values, batched over
+# heads; the TPU compiler's FLOPs of such a step add exactly attention's forward matmuls:
+# results/aot_dense_5b_v5p.md).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "nothing_saveable", "everything_saveable")
+# "auto": the runtime picks the cheapest policy whose compiled TPU step fits the chip's HBM, at
+# start-up (runtime/memory_fit.py); a model is always built with the policy it picked.
+REMAT_CHOICES = REMAT_POLICIES + ("auto",)
 _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
 # `implementation=` of jax.nn.dot_product_attention: "xla" runs anywhere; "cudnn" is cuDNN flash
 # attention on NVIDIA GPUs. With JAX 0.10.2 (cuDNN >= 8.9.4) flash attention takes float16/bfloat16
@@ -121,8 +127,8 @@ class ModelConfig:
       if getattr(self, name) not in _DTYPES:
         raise ValueError(
             f"config.model.{name}={getattr(self, name)!r} must be one of {sorted(_DTYPES)}")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"config.model.remat={self.remat!r} must be one of {list(REMAT_POLICIES)}")
+    if self.remat not in REMAT_CHOICES:
+      raise ValueError(f"config.model.remat={self.remat!r} must be one of {list(REMAT_CHOICES)}")
     if (isinstance(self.rope_base, bool) or not isinstance(self.rope_base, (int, float))
         or not self.rope_base > 1.0):
       raise ValueError(f"config.model.rope_base={self.rope_base!r} must be a number > 1")
@@ -315,21 +321,25 @@ class Transformer(nnx.Module):
     self.max_seq_len = cfg.max_seq_len
     self.remat = cfg.remat  # static: part of the graphdef, so `apply` reads it there
 
-  def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-    return self.forward(tokens_BxL, self._run_blocks)
+  def __call__(self, tokens_BxL: jax.Array,
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
+    return self.forward(tokens_BxL, lambda x: self._run_blocks(x, constrain), constrain)
 
-  def _run_blocks(self, x_BxLxD: jax.Array) -> jax.Array:
+  def _run_blocks(self, x_BxLxD: jax.Array,
+                  constrain: Callable[[jax.Array], jax.Array]) -> jax.Array:
     for block in self.layers:
       if self.remat == "none":
         x_BxLxD = block(x_BxLxD)
       else:
         block_graph, block_state = nnx.split(block)
         x_BxLxD = remat_block(block_graph, self.remat)(block_state, x_BxLxD)
+      x_BxLxD = constrain(x_BxLxD)
     return x_BxLxD
 
-  def forward(self, tokens_BxL: jax.Array,
-              run_blocks: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Embedding, `run_blocks`, final norm, logits: the blocks may come from elsewhere (a scan)."""
+  def forward(self, tokens_BxL: jax.Array, run_blocks: Callable[[jax.Array], jax.Array],
+              constrain: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
+    """Embedding, `run_blocks`, final norm, logits: the blocks may come from elsewhere (a scan).
+    `constrain` places the residual stream (see `apply`)."""
     if tokens_BxL.ndim != 2:
       raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxL.shape}")
     if tokens_BxL.shape[1] > self.max_seq_len:
@@ -337,7 +347,7 @@ class Transformer(nnx.Module):
           f"sequence length {tokens_BxL.shape[1]} exceeds "
           f"config.model.max_seq_len={self.max_seq_len}"
       )
-    x_BxLxD = self.embedder.encode(tokens_BxL)
+    x_BxLxD = constrain(self.embedder.encode(tokens_BxL))
     x_BxLxD = run_blocks(x_BxLxD)
     return self.embedder.decode(self.final_norm(x_BxLxD))
 
@@ -354,6 +364,9 @@ def remat_block(block_graph: nnx.GraphDef, remat: str
 
   if remat == "none":
     return run
+  if remat == "auto":
+    raise ValueError("config.model.remat='auto' is resolved at start-up (runtime/train.py "
+                     "resolve_remat): build the model with the policy it picked")
   policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
   return jax.checkpoint(run, policy=policy)
 
@@ -521,6 +534,15 @@ class ParamLayout:
       new[native] = value if layer is None else _with_layer(new[native], value, layer)
     return new
 
+  def lower_set(self, params: dict[str, Any], name: str) -> Any:
+    """The program `set` runs to write flat tensor `name` of a stacked native tensor, lowered for
+    `params` (arrays or sharded ShapeDtypeStructs): the value comes placed like one layer."""
+    native, _ = self.where[name]
+    stacked = params[native]
+    sharding = NamedSharding(stacked.sharding.mesh, P(*stacked.sharding.spec[1:]))
+    value = jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype, sharding=sharding)
+    return _with_layer.lower(stacked, value, 0)
+
   def to_flat(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Host native parameters as flat ones (views, no copy)."""
     return {name: params[native] if layer is None else params[native][layer]
@@ -646,11 +668,31 @@ def _state(params: dict[str, Any]) -> nnx.State:
   return nnx.from_flat_state({_path(name): value for name, value in params.items()})
 
 
+def residual_sharding(mesh: Mesh) -> NamedSharding:
+  """The residual stream [B, L, D] of a learner on `mesh`: split like its batch ("batch" rule:
+  data x fsdp), whole along the sequence and the embedding.
+
+  Without it the SPMD partitioner may follow the weights instead: the embedding table is split
+  along "embed" over fsdp, and XLA:TPU then kept the activations split along D and the batch whole
+  over fsdp (gemma_2b_v5p's attention held 32 sequences per chip instead of 4, and its compile
+  failed: runtime/tpu_aot.py)."""
+  return NamedSharding(mesh, logical_to_mesh_spec(("batch", None, None), mesh))
+
+
 def apply(graphdef: nnx.GraphDef | StackedGraph, params: dict[str, jax.Array],
-          tokens_BxL: jax.Array) -> jax.Array:
-  """Pure forward pass: float32 logits_BxLxV for `tokens_BxL` under the native `params`."""
+          tokens_BxL: jax.Array, *, activations: jax.sharding.Sharding | None = None
+          ) -> jax.Array:
+  """Pure forward pass: float32 logits_BxLxV for `tokens_BxL` under the native `params`.
+
+  `activations`: where the residual stream lives between blocks (`residual_sharding`), inside a
+  jitted step on that sharding's mesh; None leaves it to the compiler.
+  """
+  if activations is None:
+    constrain = lambda x: x  # noqa: E731
+  else:
+    constrain = lambda x: jax.lax.with_sharding_constraint(x, activations)  # noqa: E731
   if not isinstance(graphdef, StackedGraph):
-    return nnx.merge(graphdef, _state(params))(tokens_BxL)
+    return nnx.merge(graphdef, _state(params))(tokens_BxL, constrain)
   shell = nnx.merge(graphdef.shell, _state({n: v for n, v in params.items() if not _is_layer(n)}))
   stacked = _state({n[len(_LAYERS):]: v for n, v in params.items() if _is_layer(n)})
 
@@ -658,12 +700,12 @@ def apply(graphdef: nnx.GraphDef | StackedGraph, params: dict[str, jax.Array],
 
   def run_blocks(x_BxLxD: jax.Array) -> jax.Array:
     def body(x_BxLxD, block_state):
-      return block(block_state, x_BxLxD), None
+      return constrain(block(block_state, x_BxLxD)), None
 
     x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked)
     return x_BxLxD
 
-  return shell.forward(tokens_BxL, run_blocks)
+  return shell.forward(tokens_BxL, run_blocks, constrain)
 
 
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:

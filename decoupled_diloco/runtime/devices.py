@@ -18,11 +18,25 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from decoupled_diloco.runtime import throughput
+
 # Every learner mesh has all three axes; a (data, model) shape has fsdp = 1 (see model.py's rules).
 LEARNER_AXES = ("data", "fsdp", "model")
 SYNCER_AXIS = "learner"
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def use_platform(platform: str) -> None:
+  """Before JAX starts its backends: a CPU run starts JAX's CPU backend only.
+
+  With libtpu installed (the `tpu` extra) JAX would otherwise start its TPU backend too, which on
+  a host without TPU chips looks for them and prints warnings. A JAX_PLATFORMS the user set
+  stands; gpu and tpu runs keep JAX's choice (the accelerator, and the CPU the syncer runs on).
+  """
+  if platform != "cpu" or os.environ.get("JAX_PLATFORMS") or _backends_initialised():
+    return
+  jax.config.update("jax_platforms", "cpu")
 
 
 def request_fake_cpu_devices(count: int) -> None:
@@ -91,11 +105,10 @@ def build_meshes(
   learner_meshes = []
   start = 0
   for index, shape in enumerate(learner_mesh_shapes):
-    axes = learner_axes(shape)
-    chunk = devices[start:start + math.prod(axes)]
-    learner_meshes.append(Mesh(np.array(chunk).reshape(axes), LEARNER_AXES))
+    count = math.prod(learner_axes(shape))
+    learner_meshes.append(learner_mesh(devices[start:start + count], shape))
     if index % sharing == sharing - 1:  # the group's last learner: the next group moves on
-      start += math.prod(axes)
+      start += count
   syncer_mesh = None
   if syncer_devices:
     if cpu_shared:
@@ -110,3 +123,19 @@ def build_meshes(
     syncer_mesh = Mesh(np.array(syncer_chunk), (SYNCER_AXIS,))
   return learner_meshes, syncer_mesh
 
+
+def learner_mesh(devices, shape: tuple[int, ...]) -> Mesh:
+  """A learner's (data, fsdp, model) mesh over `devices`, in their order: this host's devices or
+  the compile-only devices of a TPU topology (runtime/tpu_aot.py)."""
+  return Mesh(np.array(devices).reshape(learner_axes(shape)), LEARNER_AXES)
+
+
+def check_tpu_topologies(meshes, topologies: tuple[str, ...]) -> None:
+  """Each learner's chips are of the generation its config.devices.tpu_topologies entry names."""
+  for index, (mesh, name) in enumerate(zip(meshes, topologies)):
+    kind = mesh.devices.flat[0].device_kind
+    chip = throughput.tpu_chip(kind)
+    generation = name.split(":")[0]
+    if chip is None or chip.generation != generation:
+      raise ValueError(f"config.devices.tpu_topologies[{index}]={name!r} but learner {index}'s "
+                       f"devices are {kind} chips")

@@ -363,7 +363,7 @@ class GlobalModel:
           f"(kept: {sorted(self._history[p])}); this is a bug in the syncer's history pruning"
       ) from None
 
-  def wire(self, p: int) -> tuple[int, dict[str, compression.Encoded]]:
+  def wire(self, p: int) -> tuple[int, dict[str, compression_lib.Encoded]]:
     """(version, Theta_p in the broadcast format): what a learner joining now must receive. With
     the delta broadcast, R_p instead (a keyframe): what the learners up to date hold."""
     with self._lock:

@@ -1132,6 +1132,21 @@ def _rebase(merged, now, offered):
   return merged + (now - offered)
 
 
+def lower_merge_programs(like: jax.ShapeDtypeStruct, *, keep_in_flight_progress: bool,
+                         alpha: float) -> dict[str, Any]:
+  """The programs the apply of a broadcast runs on one flat tensor placed like `like`, besides
+  writing it into the parameters (`ParamLayout.set`), lowered: the rebase that keeps in-flight
+  progress (config.merge.keep_in_flight_progress) and Streaming DiLoCo's mix (config.merge.alpha).
+  Overwrite on receive runs neither. For ahead-of-time compiles (runtime/tpu_aot.py)."""
+  theta = jax.ShapeDtypeStruct(like.shape, jnp.float32, sharding=like.sharding)
+  programs = {}
+  if keep_in_flight_progress:
+    programs["rebase"] = _rebase.lower(theta, like, theta)
+  if alpha:
+    programs["mix"] = _mix_impl.lower(like, theta, jnp.float32(alpha))
+  return programs
+
+
 def _mix(local, merged, alpha: float):
   """Streaming DiLoCo's theta <- alpha*theta_local + (1-alpha)*Theta, on the learner's devices."""
   return _mix_impl(local, merged, jnp.float32(alpha))

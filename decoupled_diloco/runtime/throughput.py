@@ -16,19 +16,50 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-# Dense (no sparsity) bf16 peak FLOP/s per chip, by `device_kind` as JAX reports it. Exact names
-# first (a TPU v5p reports "TPU v5", a prefix of v5e's "TPU v5 lite"); then GPU substrings, the
-# more specific before the less.
-_TPU_PEAKS = {
-    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16 per chip.
-    "tpu v5": 459e12, "tpu v5p": 459e12,
-    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16 per chip (Trillium).
-    "tpu v6 lite": 918e12, "tpu v6e": 918e12,
-    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16 per chip.
-    "tpu v5 lite": 197e12, "tpu v5e": 197e12,
-    # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16 per chip.
-    "tpu v4": 275e12,
-}
+_GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+  """What one TPU chip offers a learner program: the figures a roofline and a fit check need."""
+
+  generation: str  # as topology names spell it: "v5p", "v6e", "v5e", "v4"
+  peak_flops_per_s: float  # dense bf16
+  hbm_bytes: int  # as the chip's page gives it
+  # What the TPU compiler lets a program allocate: it refuses a larger one (RESOURCE_EXHAUSTED,
+  # "exceeds available HBM (95.74G)" for v5p, measured with libtpu 0.0.42.1 on compile-only devices).
+  hbm_usable_bytes: int
+  hbm_bytes_per_s: float
+  # Inter-chip interconnect, one direction, all links of the chip together (the pages give it
+  # bidirectional): an optimistic bound for a collective, which may use only some links.
+  ici_bytes_per_s: float | None
+
+
+# Per chip, by `device_kind` as JAX reports it (a v5p reports "TPU v5", a prefix of v5e's "TPU v5
+# lite"). Sources, read 2026-11: https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16, 95 GiB
+# HBM2e of 96 physical at 2,765 GB/s, ICI 1,200 GB/s bidirectional per chip),
+# https://cloud.google.com/tpu/docs/v6e (918 TFLOP/s, 32 GB at 1,638 GB/s, ICI 800 GB/s
+# bidirectional), https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s, 16 GB at 819 GB/s, ICI 400
+# GB/s bidirectional), https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s, 32 GiB at 1,200 GB/s; no
+# ICI figure there). The compiler's figures are GiB (v5p: 95.74, between the page's 95 GiB usable
+# and 96 physical), and it finds 31.25 usable on a v6e and 15.75 on a v5e, more than 32e9 and 16e9
+# bytes: those pages' "GB" of HBM are GiB too.
+_V5P = TpuChip("v5p", 459e12, 95 * _GIB, int(95.74 * _GIB), 2765e9, 1200e9 / 2)
+_V6E = TpuChip("v6e", 918e12, 32 * _GIB, int(31.25 * _GIB), 1638e9, 800e9 / 2)
+_V5E = TpuChip("v5e", 197e12, 16 * _GIB, int(15.75 * _GIB), 819e9, 400e9 / 2)
+# A v4 chip is two TensorCores; JAX reports one device per chip (megacore) on a TPU VM, but the
+# compile-only devices of a "v4:..." topology are cores of 15.25 GiB each: read its figures per chip.
+_V4 = TpuChip("v4", 275e12, 32 * _GIB, int(2 * 15.25 * _GIB), 1200e9, None)
+_TPU_CHIPS = {"tpu v5": _V5P, "tpu v5p": _V5P, "tpu v6 lite": _V6E, "tpu v6e": _V6E,
+              "tpu v5 lite": _V5E, "tpu v5e": _V5E, "tpu v4": _V4}
+TPU_GENERATIONS = {chip.generation: chip for chip in _TPU_CHIPS.values()}
+
+
+def tpu_chip(device_kind: str) -> TpuChip | None:
+  """The chip of this `device_kind` ("TPU v5 lite"), or None for anything that is not a TPU we know."""
+  return _TPU_CHIPS.get(device_kind.strip().lower())
+
+
 _GPU_PEAKS = (
     # https://www.nvidia.com/en-us/data-center/h100/ (datasheet): BF16 Tensor Core 1,979 TFLOP/s
     # SXM, 1,671 NVL, 1,513 PCIe, each "with sparsity": half of it dense.
@@ -44,9 +75,10 @@ _GPU_PEAKS = (
 
 def peak_flops_per_s(device_kind: str) -> float | None:
   """Dense bf16 peak FLOP/s of one chip of this kind; None for CPU or a kind not in the table."""
+  chip = tpu_chip(device_kind)
+  if chip is not None:
+    return chip.peak_flops_per_s
   kind = device_kind.strip().lower()
-  if kind in _TPU_PEAKS:
-    return _TPU_PEAKS[kind]
   return next((peak for name, peak in _GPU_PEAKS if name in kind), None)
 
 

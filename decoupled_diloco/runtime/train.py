@@ -53,6 +53,7 @@ from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import job_restart
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import memory_fit
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
 from decoupled_diloco.runtime import ray_syncer
@@ -154,7 +155,9 @@ def build(settings: settings_lib.RunSettings, *,
     # A tape this run cannot replay is refused before anything compiles.
     event_tape.check_replayable(event_tape.load(settings.replay),
                                 event_tape.settings_record(settings))
-  # Before anything touches JAX (reading a checkpoint back does): the device count is fixed then.
+  # Before anything touches JAX (reading a checkpoint back does): the platforms and the device
+  # count are fixed then.
+  devices_lib.use_platform(settings.devices.platform)
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   _use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
   saver, restored = _open_checkpoints(settings)
@@ -170,6 +173,12 @@ def build(settings: settings_lib.RunSettings, *,
       ((1, 1),) if in_processes else settings.learner_mesh_shapes, settings.syncer.num_devices,
       "cpu" if in_processes else settings.devices.platform,
       1 if in_processes else settings.devices.learners_sharing_devices)
+  if settings.devices.platform == "tpu" and not in_processes:
+    if settings.devices.tpu_topologies:
+      devices_lib.check_tpu_topologies(learner_meshes, settings.devices.tpu_topologies)
+    # Before the model is built: its remat policy is part of its program.
+    settings, _ = resolve_remat(settings, {group[0]: learner_meshes[group[0]] for group in
+                                           distinct_learners(settings, learner_meshes)})
   if settings.replay and restored is not None:
     raise event_tape.TapeError(f"config.replay={settings.replay!r}: config.workdir={settings.workdir!r} "
                      "holds a checkpoint; a replay starts from the recording's start, in a fresh "
@@ -418,23 +427,17 @@ def compile_workers(num_learners: int, cpu_count: int | None = None) -> int:
 _TRAIN_STEPS: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
 _TRAIN_STEPS_LOCK = threading.Lock()
 _MAX_TRAIN_STEPS = 16
-# A lock per jitted step: learners that share devices (and so the step) compile it once.
+# A lock per jitted program: learners that share devices (and so the program) compile it once.
 _COMPILING: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
 
 
-def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef, initial, tx,
-                  dataset: data_lib.Dataset, *, own_process: bool = False):
-  """Learner `index`'s compiled step, initial state on `mesh`, parameter shardings and batches,
-  and the seconds its step took to compile. The same in every runtime: a learner thread of this
-  process, or a learner process of its own (`runtime/ray_runtime.py`, `own_process`: its devices
-  hold only this learner, as far as this process can tell).
-
-  Where the device's memory is known the step is compiled first, from shapes alone, and the
-  devices' needs are checked against it before any state is placed (runtime/device_memory.py)."""
+def learner_step(settings: settings_lib.RunSettings, mesh, graphdef, tx, state_like
+                 ) -> inner.TrainStep:
+  """The jitted train step of a learner on `mesh` whose state is shaped and sharded like
+  `state_like` (arrays or sharded ShapeDtypeStructs), on `tx`'s schedule: one made before for the
+  same program if this process has it (`_TRAIN_STEPS`)."""
   shardings = model_lib.param_shardings(settings.model, mesh)
-  abstract = inner.abstract_train_state(
-      {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in initial.items()}, tx, mesh, shardings)
-  state_shardings = inner.train_state_shardings(abstract, mesh, shardings)
+  state_shardings = inner.train_state_shardings(state_like, mesh, shardings)
   leaves, treedef = jax.tree.flatten(state_shardings)
   # `tx` is made from settings.inner and num_steps alone (make_inner_optimizer); its schedule is
   # an argument of the program, so the program does not depend on it.
@@ -448,15 +451,114 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
     _TRAIN_STEPS[key] = train_step  # the newest last; the oldest goes first
     while len(_TRAIN_STEPS) > _MAX_TRAIN_STEPS:
       _TRAIN_STEPS.popitem(last=False)
+  return train_step.with_schedule(tx.schedule_values)
+
+
+# What a learner holds on its chips while its step runs, besides the step's own buffers.
+ALONGSIDE_TRAIN_STEP = "the publication's copy of the parameters"
+
+
+def compile_train_step(settings: settings_lib.RunSettings, index: int, mesh
+                       ) -> tuple[Any, memory_fit.Fit, inner.TrainState]:
+  """Learner `index`'s train step compiled ahead of time for `mesh` (a TPU slice, or the
+  compile-only devices of a TPU topology: runtime/tpu_aot.py) from abstract shapes, with the
+  run's shardings and donation; how its HBM per chip fits the chip (the executable is None when
+  the compiler refused it for lack of HBM); and the abstract train state."""
+  device = mesh.devices.flat[0]
+  usable = memory_fit.usable_hbm_bytes(device)
+  if usable is None:
+    raise ValueError(f"learner {index}'s devices are {device.device_kind}, not TPU chips of "
+                     f"runtime/throughput.py's table: their HBM is not known")
+  tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
+  like = inner.abstract_train_state(model_lib.native_shapes(settings.model), tx, mesh,
+                                    model_lib.param_shardings(settings.model, mesh))
+  step = learner_step(settings, mesh, model_lib.graph(settings.model), tx, like)
+  batch = inner.abstract_batch(mesh, settings.learner_batch_sizes[index], settings.data.seq_len)
+  # While the step runs, the learner's publication refers to a device copy of the parameters.
+  compiled, fit = memory_fit.compile_and_measure(
+      step.lower(like, batch), alongside_bytes=memory_fit.bytes_per_chip(like.params),
+      usable_bytes=usable, arguments="its train state and batch",
+      arguments_bytes=memory_fit.bytes_per_chip((like, batch)))
+  return compiled, fit, like
+
+
+def check_learner_fits(settings: settings_lib.RunSettings, index: int, mesh) -> memory_fit.Fit:
+  """Refuses (memory_fit.DoesNotFit, with every figure and the fields that change them) a learner
+  whose compiled train step does not fit its TPU chips' HBM: before anything is placed on them,
+  instead of failing in its first step."""
+  _, fit, _ = compile_train_step(settings, index, mesh)
+  batch_field = (f"config.data.learner_batch_sizes[{index}]={settings.learner_batch_sizes[index]}"
+                 if settings.data.learner_batch_sizes else
+                 f"config.data.batch_size={settings.data.batch_size}")
+  memory_fit.refuse_unless_fits(
+      fit, what=f"learner {index}'s train step", device_kind=mesh.devices.flat[0].device_kind,
+      alongside=ALONGSIDE_TRAIN_STEP,
+      fields=f"give it more chips or split them otherwise (config.learner_mesh_shapes[{index}]="
+             f"{settings.learner_mesh_shapes[index]}), rematerialise more of each block "
+             f"(config.model.remat={settings.model.remat!r}; 'auto' picks the cheapest policy "
+             f"that fits) or lower {batch_field}")
+  return fit
+
+
+def distinct_learners(settings: settings_lib.RunSettings, meshes) -> list[list[int]]:
+  """The learners grouped by the programs they run: same chip kind, mesh shape and batch."""
+  groups: dict[Any, list[int]] = {}
+  for index, mesh in enumerate(meshes):
+    key = (mesh.devices.flat[0].device_kind, mesh.devices.shape,
+           settings.learner_batch_sizes[index])
+    groups.setdefault(key, []).append(index)
+  return list(groups.values())
+
+
+def resolve_remat(settings: settings_lib.RunSettings, meshes: dict[int, Any]
+                  ) -> tuple[settings_lib.RunSettings, dict[str, list[memory_fit.Fit]]]:
+  """config.model.remat='auto' made the cheapest policy whose train steps, compiled for the TPU
+  meshes of `meshes` (learner index -> mesh, one per distinct learner), all fit with
+  memory_fit.HBM_MARGIN to spare (memory_fit.choose_remat), and the fit of every policy tried.
+  Any other value stands."""
+  if settings.model.remat != "auto":
+    return settings, {}
+
+  def with_policy(policy: str) -> settings_lib.RunSettings:
+    return dataclasses.replace(settings, model=dataclasses.replace(settings.model, remat=policy))
+
+  def fits(policy: str) -> list[memory_fit.Fit]:
+    return [compile_train_step(with_policy(policy), index, mesh)[1]
+            for index, mesh in meshes.items()]
+
+  policy, tried = memory_fit.choose_remat(fits)
+  logging.info("config.model.remat='auto' picked %s; of the usable HBM per chip the largest "
+               "learner step needs %s", policy, memory_fit.describe_tried(tried))
+  return with_policy(policy), tried
+
+
+def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef, initial, tx,
+                  dataset: data_lib.Dataset, *, own_process: bool = False):
+  """Learner `index`'s compiled step, initial state on `mesh`, parameter shardings and batches,
+  and the seconds its step took to compile. The same in every runtime: a learner thread of this
+  process, or a learner process of its own (`runtime/ray_runtime.py`, `own_process`: its devices
+  hold only this learner, as far as this process can tell).
+
+  Before any state is placed: on TPU chips, a learner whose step does not fit their HBM is refused
+  (`check_learner_fits`); on any device that reports its memory, the step is compiled from shapes
+  and the needs of every learner on the devices are checked against it (runtime/device_memory.py)."""
+  on_tpu = memory_fit.usable_hbm_bytes(mesh.devices.flat[0]) is not None
+  if on_tpu:
+    check_learner_fits(settings, index, mesh)
+  shardings = model_lib.param_shardings(settings.model, mesh)
+  abstract = inner.abstract_train_state(
+      {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in initial.items()}, tx, mesh, shardings)
+  train_step = learner_step(settings, mesh, graphdef, tx, abstract)
+  with _TRAIN_STEPS_LOCK:
     # Learners that share devices share the program too: one compiles it, the others wait.
-    compiling = _COMPILING.setdefault(train_step, threading.Lock())
-  train_step = train_step.with_schedule(tx.schedule_values)
+    compiling = _COMPILING.setdefault(train_step.jitted, threading.Lock())
   started = time.perf_counter()
   batch_size = settings.learner_batch_sizes[index]
   sharing = 1 if own_process else settings.devices.learners_sharing_devices
   with compiling:
-    device_memory.check_learner(settings, train_step, abstract, batch_size, mesh,
-                                learners=sharing, holds_eval=not own_process and index < sharing)
+    if not (on_tpu and sharing == 1):  # a lone learner on TPU chips: check_learner_fits did it
+      device_memory.check_learner(settings, train_step, abstract, batch_size, mesh,
+                                  learners=sharing, holds_eval=not own_process and index < sharing)
     # Every learner starts from the same parameters (the same seed gives the same values on any
     # mesh): placed from the host instead of compiling the initialiser once per mesh.
     params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}

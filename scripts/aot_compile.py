@@ -1,0 +1,258 @@
+r"""Compiles every learner program of an experiment for its real TPU topology, on this host.
+
+  python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py
+  python scripts/aot_compile.py --config=experiments/tiny_cpu.py --topology=v5p:2x2x1
+  python scripts/aot_compile.py --config=experiments/dense_5b_v5p.py --config.model.remat=auto
+
+No TPU is needed: libtpu (the `tpu` extra) gives the compile-only devices of a named topology and
+the TPU compiler (runtime/tpu_aot.py). Each distinct learner is compiled on its topology (the
+config's `devices.tpu_topologies`, or --topology for all), and for each of its programs (train
+step, eval step, publication copy, apply of a broadcast, sampling step) this prints and writes
+HBM per chip against the chip's, the compiled matmul FLOPs beside lm/flops.py's, every collective
+with its bytes and mesh axes; for the train step a roofline (step time, MFU ceiling, tokens/s per
+slice); and for the syncer the merges falling due at that pace, their bytes, a merge of the
+median fragment timed on this host, and the `syncer.num_workers` that keep up.
+Writes results/aot_<experiment>.json and .md (--out_dir).
+"""
+
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+# The TPU compiler needs no TPU backend: only CPU devices start in this process.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+from ml_collections import config_flags
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from decoupled_diloco import settings as settings_lib  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime import syncer_load
+from decoupled_diloco.runtime import tpu_aot
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "TPU topology of every learner (v5p:4x4x4, v6e:8x8, v5e:1x1); default each "
+    "learner's config.devices.tpu_topologies entry.")
+_OUT_DIR = flags.DEFINE_string("out_dir", "results", "Where aot_<experiment>.{json,md} go.")
+_NAME = flags.DEFINE_string("name", None, "Report name; default the config file's.")
+_MERGE_TIMING = flags.DEFINE_bool("merge_timing", True, "Time the syncer's merge on this host.")
+flags.mark_flags_as_required(["config"])
+
+_GIB = 1024**3
+
+
+def _gib(n):
+  return n / _GIB
+
+
+def _program_record(p):
+  fit, hlo = p.fit, p.hlo
+  record = {
+      "program": p.program, "count": p.count, "compile_s": round(p.compile_s, 2),
+      "refused_by_compiler": fit.refusal or None, "compile_error": p.error or None,
+      "alongside": p.alongside, "alongside_bytes": fit.alongside_bytes,
+      "usable_hbm_bytes": fit.usable_bytes,
+  }
+  if fit.memory is not None:
+    m = fit.memory
+    record.update({"argument_bytes": m.argument_bytes, "output_bytes": m.output_bytes,
+                   "alias_bytes": m.alias_bytes, "temp_bytes": m.temp_bytes,
+                   "code_bytes": m.code_bytes, "peak_bytes": m.peak_bytes,
+                   "needed_bytes": fit.needed_bytes, "hbm_share": fit.share,
+                   "margin": 1 - fit.share})
+  if hlo is not None:
+    record.update({
+        "matmul_flops_per_chip": hlo.matmul_flops, "analytic_flops_per_chip": p.analytic_flops,
+        "compiler_over_analytic": (hlo.matmul_flops / p.analytic_flops
+                                   if p.analytic_flops else None),
+        "hbm_bytes_per_chip": hlo.hbm_bytes, "ici_bytes_per_chip": hlo.ici_bytes_per_chip,
+        "unknown_trip_counts": hlo.unknown_trip_counts,
+        "xla_cost_analysis_loops_once": p.cost_analysis,
+        "collectives": [{"kind": c.kind, "axes": list(c.axes), "group_size": c.group_size,
+                         "count": c.count, "bytes": c.bytes,
+                         "ici_bytes_per_chip": c.ici_bytes_per_chip} for c in hlo.collectives]})
+  return record
+
+
+def _learner_record(report):
+  target, chip, roof = report.target, report.chip, report.roofline
+  record = {
+      "learners": list(target.learners), "topology": target.topology, "chips": report.chips,
+      "device_kind": target.device_kind,
+      "mesh": dict(zip(target.mesh.axis_names, map(int, target.mesh.devices.shape))),
+      "batch_size": report.batch_size, "seq_len": report.seq_len,
+      "hbm_bytes": chip.hbm_bytes, "usable_hbm_bytes": chip.hbm_usable_bytes,
+      "worst_program": report.worst.program,
+      "worst_hbm_share": report.worst.fit.share if report.worst.fit.memory else None,
+      "programs": [_program_record(p) for p in report.programs],
+  }
+  if roof is not None:
+    record["roofline"] = {
+        "compute_s": roof.compute_s, "hbm_s": roof.hbm_s, "ici_s": roof.ici_s,
+        "step_s": roof.step_s, "bound": roof.bound,
+        "mfu_ceiling": roof.mfu_ceiling(chip.peak_flops_per_s),
+        "tokens_per_step": roof.tokens_per_step, "tokens_per_s_per_slice": roof.tokens_per_s,
+        "peak_flops_per_s": chip.peak_flops_per_s, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
+        "ici_bytes_per_s": chip.ici_bytes_per_s}
+  return record
+
+
+def _syncer_record(load):
+  t = load.timing
+  return {
+      "num_fragments": load.num_fragments, "period": load.period, "learners": load.learners,
+      "clock_step_s": load.step_s, "merges_per_s": load.merges_per_s,
+      "largest_fragment_params": max(load.fragment_params),
+      "timed": {"fragment": t.fragment, "params": t.params, "learners": t.learners,
+                "worker_s": t.worker_s, "worker_cpu_s": t.worker_cpu_s,
+                "install_s": t.install_s, "bytes_up": t.bytes_up,
+                "bytes_down": t.bytes_down},
+      "largest_merge_s": load.largest_merge_s, "busy_worker_s_per_s": load.busy_s_per_s,
+      "workers_needed": load.workers_needed,
+  }
+
+
+def _markdown(doc):
+  out = [f"# Ahead-of-time TPU compile: {doc['experiment']}", "",
+         f"`{doc['command']}` on {doc['host']} ({doc['date']}), jax {doc['jax']}, libtpu "
+         f"{doc['libtpu']}: {doc['wall_s']:.0f} s in all. model.remat={doc['remat']}"
+         + (f" (auto, {doc['remat_s']:.0f} s: of the usable HBM per chip the train step needs "
+            f"{doc['remat_tried']}; the train step's compile below was the last of these)"
+            if doc.get("remat_tried") else "") + ".", ""]
+  for learner in doc["learners"]:
+    mesh = " x ".join(f"{k}={v}" for k, v in learner["mesh"].items())
+    ids = learner["learners"]
+    out += [f"## Learner{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: "
+            f"{learner['topology']} ({learner['chips']} x {learner['device_kind']}), {mesh}, "
+            f"{learner['batch_size']} x {learner['seq_len']} tokens per step", "",
+            f"HBM per chip: {_gib(learner['usable_hbm_bytes']):.2f} GiB usable of "
+            f"{_gib(learner['hbm_bytes']):.0f} GiB; the most demanding program while training "
+            f"({learner['worst_program']}) "
+            + (f"leaves {100 * (1 - learner['worst_hbm_share']):.1f}% free."
+               if learner["worst_hbm_share"] is not None else "does not fit or compile."), "",
+            "| program | args / outputs (aliased) / temps / code, GiB per chip | + alongside | "
+            "of usable HBM | matmul TFLOP per chip: compiler / lm/flops.py | ICI GiB sent per "
+            "chip | compile s |", "|---|---|---|---|---|---|---|"]
+    for p in learner["programs"]:
+      name = p["program"] + (f" (x{p['count']})" if p["count"] > 1 else "")
+      failure = p["refused_by_compiler"] or p["compile_error"]
+      if failure:
+        what = "HBM: " if p["refused_by_compiler"] else "does not compile: "
+        out.append(f"| {name} | {what}{' '.join(failure.split())[:400]} | | | | | "
+                   f"{p['compile_s']:.1f} |")
+        continue
+      flops = f"{p['matmul_flops_per_chip'] / 1e12:.2f}"
+      if p.get("analytic_flops_per_chip"):
+        flops += (f" / {p['analytic_flops_per_chip'] / 1e12:.2f} "
+                  f"({p['compiler_over_analytic']:.3f}x)")
+      out.append(
+          f"| {name} | {_gib(p['argument_bytes']):.2f} / {_gib(p['output_bytes']):.2f} "
+          f"({_gib(p['alias_bytes']):.2f}) / {_gib(p['temp_bytes']):.2f} / "
+          f"{_gib(p['code_bytes']):.3f} | {_gib(p['alongside_bytes']):.2f} | "
+          f"{100 * p['hbm_share']:.1f}% | {flops} | {_gib(p['ici_bytes_per_chip']):.2f} | "
+          f"{p['compile_s']:.1f} |")
+    out += ["", "Collectives per step (count, buffer GiB, GiB each chip sends over ICI):", ""]
+    for p in learner["programs"]:
+      parts = [f"{c['kind']} over {'x'.join(c['axes']) or '-'} ({c['group_size']}): "
+               f"{c['count']} x, {_gib(c['bytes']):.2f} GiB, {_gib(c['ici_bytes_per_chip']):.2f}"
+               for c in p.get("collectives", [])]
+      out.append(f"- {p['program']}: " + ("; ".join(parts) if parts else "none"))
+    unknown = sum(p.get("unknown_trip_counts") or 0 for p in learner["programs"])
+    if unknown:
+      out += ["", f"**{unknown} loop(s) of unknown trip count were counted once: the FLOPs, "
+                  f"bytes and roofline above are lower bounds.**"]
+    roof = learner.get("roofline")
+    if roof:
+      ici = f"{roof['ici_s'] * 1e3:.0f} ms" if roof["ici_s"] is not None else "n/a"
+      out += ["", f"Roofline of the train step: compute {roof['compute_s'] * 1e3:.0f} ms, HBM "
+              f"{roof['hbm_s'] * 1e3:.0f} ms, ICI {ici}: at least {roof['step_s'] * 1e3:.0f} ms "
+              f"per step ({roof['bound']}-bound), an MFU ceiling of "
+              f"{100 * roof['mfu_ceiling']:.1f}% and at most "
+              f"{roof['tokens_per_s_per_slice']:,.0f} tokens/s per slice."]
+    out.append("")
+  syncer = doc.get("syncer")
+  if syncer:
+    t = syncer["timed"]
+    out += ["## Syncer", "",
+            f"P = {syncer['num_fragments']}, H = {syncer['period']}, M = {syncer['learners']}; "
+            f"at the fastest learner's roofline step of {syncer['clock_step_s'] * 1e3:.0f} ms, "
+            f"{syncer['merges_per_s']:.2f} merges fall due per second. A merge of the median "
+            f"fragment ({t['params'] / 1e6:.1f}M parameters, fragment {t['fragment']}) takes "
+            f"{_gib(t['bytes_up']):.2f} GiB of outer gradients up and sends "
+            f"{_gib(t['bytes_down']):.2f} GiB down; on this host it took {t['worker_cpu_s']:.1f} "
+            f"CPU seconds ({t['worker_s']:.1f} s wall) on a worker (screen + merge) and "
+            f"{t['install_s']:.3f} s to install. Scaled by parameters to all "
+            f"{syncer['num_fragments']} fragments (the largest, "
+            f"{syncer['largest_fragment_params'] / 1e6:.0f}M, {syncer['largest_merge_s']:.1f} s), "
+            f"the merges need {syncer['busy_worker_s_per_s']:.1f} CPU seconds per second: "
+            f"syncer.num_workers >= {syncer['workers_needed']}, one core each, at this host's "
+            f"speed per core.", ""]
+  return "\n".join(out)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  started = time.perf_counter()
+  config = _CONFIG.value
+  # Compiled for TPU chips: the run there places its own devices and donates the train state.
+  config.devices.platform = "tpu"
+  config.devices.num_fake_cpu_devices = 0
+  try:
+    settings = settings_lib.validate(config)
+    targets = tpu_aot.learner_targets(settings, _TOPOLOGY.value)
+  except ValueError as err:
+    sys.exit(f"Invalid config: {err}")
+  configured_remat = settings.model.remat
+  remat_tried = None
+  remat_s = None
+  if configured_remat == "auto":
+    print("config.model.remat='auto': compiling the train step under each policy until one "
+          "fits ...", flush=True)
+    remat_started = time.perf_counter()
+    settings, tried = tpu_aot.resolve_remat(settings, targets)
+    remat_s = time.perf_counter() - remat_started
+    remat_tried = ", ".join(
+        f"{policy} {'/'.join(f'{100 * f.share:.0f}%' if f.memory else 'refused' for f in fits)}"
+        for policy, fits in tried.items())
+  reports = []
+  for target in targets:
+    print(f"compiling learner(s) {list(target.learners)} on {target.topology} ...", flush=True)
+    reports.append(tpu_aot.compile_learner(settings, target, with_eval=0 in target.learners))
+  name = _NAME.value or pathlib.Path(sys.argv[[a.startswith("--config=") for a in sys.argv].index(
+      True)].split("=", 1)[1]).stem
+  doc = {
+      "experiment": name, "command": " ".join(["python scripts/aot_compile.py"] + sys.argv[1:]),
+      "host": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+      "date": datetime.date.today().isoformat(),
+      "jax": importlib.metadata.version("jax"), "libtpu": importlib.metadata.version("libtpu"),
+      "remat": settings.model.remat if configured_remat != "auto" else
+      f"auto -> {settings.model.remat}", "remat_tried": remat_tried, "remat_s": remat_s,
+      "learners": [_learner_record(r) for r in reports],
+  }
+  steps = [r.roofline.step_s for r in reports if r.roofline is not None]
+  if _MERGE_TIMING.value and settings.sync is not None and steps:
+    print("timing a merge of the median fragment on this host ...", flush=True)
+    timing = syncer_load.time_merge(settings, syncer_load.median_fragment(settings))
+    doc["syncer"] = _syncer_record(syncer_load.load(settings, min(steps), timing))
+  doc["wall_s"] = time.perf_counter() - started
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  base = os.path.join(_OUT_DIR.value, f"aot_{name}")
+  with open(base + ".json", "w", encoding="utf-8") as f:
+    json.dump(doc, f, indent=2)
+  text = _markdown(doc)
+  with open(base + ".md", "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  print(text)
+  print(f"written: {base}.json, {base}.md")
+
+
+if __name__ == "__main__":
+  app.run(main)
