@@ -65,8 +65,10 @@ def run(argv: list[str] | None = None) -> None:
   """The command: `main` behind the framework's flag parsing and one-line errors."""
   errors.run_main(main, argv=argv, flags_parser=command_line.parse_flags,
                   usage=lambda: command_line.usage(__doc__),
-                  interrupted="Interrupted (SIGINT) while the run was starting: nothing was "
-                              "trained")
+                  # Training itself takes a Ctrl-C as a stop with a checkpoint (train.Interrupted);
+                  # this is one before or after it, while the run is built or evaluated last.
+                  interrupted="Interrupted (SIGINT) outside training (building the run, or its "
+                              "final evaluation): nothing was saved for it")
 
 
 if __name__ == "__main__":
