@@ -62,7 +62,13 @@ def report(message: str, hint: str = "", code: int = EXIT_BAD_INPUT) -> NoReturn
 
 def flag_error_message(err: flags.Error) -> str:
   """absl's message for a flag it could not take, as one line that names the flag."""
-  message = " ".join(str(err).split())
+  text = str(err)
+  if "Traceback (most recent call last)" in text:
+    # ml_collections puts the config file's traceback in its message: keep the flag and the
+    # exception's last line, what the file's get_config() raised.
+    lines = [l for l in text.splitlines() if l.strip()]
+    text = f"{lines[0].split(': ')[0]}: the config file raised {lines[-1].strip()}"
+  message = " ".join(text.split())
   missing = re.search(r"Flag --([\w.]+) must have a value other than None", message)
   if missing:
     name = missing.group(1)
