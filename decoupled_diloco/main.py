@@ -1,74 +1,75 @@
 r"""Entry point: python -m decoupled_diloco.main --config=experiments/tiny_cpu.py [--config.a.b=v].
 
+  --help_config   every config field with its value and a one-line description
+  --debug         a traceback instead of one line, for a bug report
+
 Only parses flags and validates the config; the run lives in `runtime.train.train_and_evaluate`. A
-bad field, on the command line or in the file, ends in one line that names it, before anything
-compiles: it is the user's to fix, and a traceback would only hide the name.
+mistake of the user's (a field, a data source, a checkpoint to resume) ends in one line that names
+it, exit status 2, before anything compiles, and leaves behind no workdir that was not there before.
 """
 
-import re
+import os
+import shutil
 import sys
 
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
+from decoupled_diloco import command_line
+from decoupled_diloco import errors
 from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
-from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import train
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
-                                          lock_config=True)
-flags.mark_flags_as_required(["config"])
+# What a start-up failure's line begins with; any other input error is "Invalid config".
+_PREFIXES = ((checkpoints.CheckpointError, "Cannot resume"),
+             (event_tape.TapeError, "Cannot replay"))
 
 
-def _override_names(argv: list[str]) -> list[str]:
-  """The dotted fields that --config.a.b=v (or -config.a.b v, --noconfig.a.b) overrides."""
-  names = []
-  for arg in argv[1:]:
-    if arg == "--":
-      break
-    match = re.match(r"^--?(?:no)?config\.([^=]+)", arg)
-    if match:
-      names.append(match.group(1))
-  return names
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return app.parse_flags_with_usage(argv)
-  except (AttributeError, KeyError):
-    # ml_collections raises these, naming neither the flag nor the config, for an override of a
-    # field the config does not have.
-    known = settings.config_fields()
-    unknown = [name for name in _override_names(argv) if name not in known]
-    if not unknown:
-      raise
-    sys.exit(f"Invalid config: {settings.unknown_field_error(unknown[0])}")
+def _remove_stub(workdir: str) -> None:
+  """Removes the workdir this invocation created before it failed at start-up: its tb/, empty
+  metrics.jsonl and one-line tape are no run, and the next try would take them for one."""
+  checkpoint_dir = os.path.join(workdir, "checkpoints")
+  if os.path.exists(os.path.join(workdir, "summary.json")) or (
+      os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir)):
+    return  # it got far enough to save something: never delete that
+  shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    raise errors.InputError(f"Unexpected arguments {argv[1:]}: config overrides take the form "
+                            f"--config.FIELD=VALUE")
+  if command_line.HELP_CONFIG.value:
+    print(command_line.fields_listing())
+    return 0
   try:
-    run_settings = settings.validate(_CONFIG.value)
+    run_settings = settings.validate(command_line.CONFIG.value)
   except ValueError as err:
-    sys.exit(f"Invalid config: {err}")
+    raise errors.InputError(f"Invalid config: {err}") from err
+  workdir_existed = os.path.exists(run_settings.workdir)
   try:
     train.train_and_evaluate(run_settings)
-  except checkpoints.CheckpointError as err:
-    sys.exit(f"Cannot resume: {err}")
-  except device_memory.DeviceMemoryError as err:
-    sys.exit(f"Invalid config: {err}")
-  except event_tape.TapeError as err:
-    sys.exit(f"Cannot replay: {err}")
+  except (errors.InputError, checkpoints.CheckpointError) as err:
+    if not workdir_existed and os.path.isdir(run_settings.workdir):
+      _remove_stub(run_settings.workdir)
+    prefix = next((p for cls, p in _PREFIXES if isinstance(err, cls)), "Invalid config")
+    raise errors.InputError(f"{prefix}: {err}") from err
   except event_tape.ReplayDiverged as err:
     sys.exit(f"The replay diverged from its recording: {err}")
   except train.Interrupted as err:
     print(err, file=sys.stderr)
     sys.exit(128 + err.signum)
+  return 0
+
+
+def run(argv: list[str] | None = None) -> None:
+  """The command: `main` behind the framework's flag parsing and one-line errors."""
+  errors.run_main(main, argv=argv, flags_parser=command_line.parse_flags,
+                  usage=lambda: command_line.usage(__doc__),
+                  # Training itself takes a Ctrl-C as a stop with a checkpoint (train.Interrupted);
+                  # this is one before or after it, while the run is built or evaluated last.
+                  interrupted="Interrupted (SIGINT) outside training (building the run, or its "
+                              "final evaluation): nothing was saved for it")
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  run()

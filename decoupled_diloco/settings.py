@@ -669,10 +669,7 @@ def _resolve_data_source(config) -> tuple[str, str, tokenizers.Tokenizer, int | 
 
 
 def _load_tokenizer(spec: str) -> tokenizers.Tokenizer:
-  try:
-    return tokenizers.load(spec)
-  except FileNotFoundError as err:  # a ValueError here, as every bad field is
-    raise ValueError(str(err)) from err
+  return tokenizers.load(spec)  # a bad spec is an InputError, a ValueError as every bad field is
 
 
 def _profile_steps(config, num_steps: int) -> tuple[int, int] | None:

@@ -46,11 +46,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Random crashes: mtbf_s > 0 per learner, exponential; repairs Weibull with mean repair_s and
   # shape repair_shape (the goodput simulator's model).
   config.chaos = ml_collections.ConfigDict()
-  config.chaos.schedule = ""
+  config.chaos.schedule = ""  # faults at given steps/seconds, ";"-separated (runtime/chaos.py); "" = none
   config.chaos.mtbf_s = 0.0  # 0 = no random crashes
-  config.chaos.repair_s = 5.0
-  config.chaos.repair_shape = 0.85
-  config.chaos.seed = 0
+  config.chaos.repair_s = 5.0  # mean repair time of a random crash, seconds
+  config.chaos.repair_shape = 0.85  # Weibull shape of the repair times
+  config.chaos.seed = 0  # of the random crashes and repairs
 
   # Whole-job checkpoints (orbax, written asynchronously while the learners train): each learner's
   # train state, data position, counters and anchors, and the syncer's state, one consistent cut.
@@ -119,7 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
   # compiles every learner program for it on any host. () = none (CPU).
   config.devices.tpu_topologies = ()
 
-  config.num_learners = 4  # M
+  config.num_learners = 4  # M: learners, each training on a mesh of its own
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or
   # (data, fsdp, model) to shard weights and optimizer state over fsdp (a learner bigger than a
   # chip); the batch is split over data x fsdp.
@@ -190,7 +190,7 @@ def get_config() -> ml_collections.ConfigDict:
   # with K = 1 are noisier than DiLoCo's lock-step averages and heavy momentum overshoots. 0.3
   # (with inner.learning_rate 2e-2): study 7's choice on the validation split, see inner.
   config.outer.learning_rate = 0.7
-  config.outer.momentum = 0.3
+  config.outer.momentum = 0.3  # Nesterov / heavy-ball momentum of the outer optimizer
 
   config.compression = ml_collections.ConfigDict()
   # learner -> syncer outer gradients: fp32 | bf16 | int8 | int4 | int2 (ternary) | int1 (sign x
@@ -209,27 +209,27 @@ def get_config() -> ml_collections.ConfigDict:
   # old pair on validation and on eval for both seeds, at the same bytes and goodput (README
   # "Study 7"). dp's own best learning rate there was 2e-2 as well.
   config.inner.learning_rate = 2e-2
-  config.inner.warmup_steps = 40
+  config.inner.warmup_steps = 40  # linear warmup of the inner rate, steps (< num_steps)
   config.inner.final_lr_fraction = 0.1  # cosine decays to learning_rate x this at num_steps
-  config.inner.weight_decay = 0.01
-  config.inner.b1 = 0.9
-  config.inner.b2 = 0.99
-  config.inner.eps = 1e-8
+  config.inner.weight_decay = 0.01  # AdamW decoupled weight decay
+  config.inner.b1 = 0.9  # AdamW first-moment decay
+  config.inner.b2 = 0.99  # AdamW second-moment decay
+  config.inner.eps = 1e-8  # AdamW epsilon
   config.inner.grad_clip_norm = 1.0  # 0 = no clipping
 
   config.model = ml_collections.ConfigDict()
   config.model.vocab_size = 0  # 0 = the tokenizer's (256 for bytes); larger pads the embedding
-  config.model.embed_dim = 64
-  config.model.num_layers = 4
-  config.model.num_heads = 4
-  config.model.head_dim = 16
-  config.model.mlp_dim = 256
-  config.model.max_seq_len = 128
+  config.model.embed_dim = 64  # width of the residual stream
+  config.model.num_layers = 4  # transformer blocks
+  config.model.num_heads = 4  # attention heads per block
+  config.model.head_dim = 16  # width of one attention head
+  config.model.mlp_dim = 256  # hidden width of the gated MLP
+  config.model.max_seq_len = 128  # longest sequence the model takes (>= data.seq_len)
   config.model.dtype = "float32"  # activations; bfloat16 on TPU
   # float32 | bfloat16: the learners' weights, gradients and AdamW moments (the syncer's Theta and
   # outer state stay float32).
   config.model.param_dtype = "float32"
-  config.model.rope_base = 10_000.0
+  config.model.rope_base = 10_000.0  # RoPE base frequency
   config.model.mlp_activation = "gelu"  # gelu (GeGLU, as in Gemma) | silu (SwiGLU, as in LLaMA)
   # Stack each kind of layer tensor on a leading axis and scan the blocks: start-up then does not
   # grow with depth (16 layers build in 1.07x the time of 4, against 2.6x unrolled). Off here: at 4
@@ -249,7 +249,7 @@ def get_config() -> ml_collections.ConfigDict:
   # data's own: byte for text, the one in meta.json for ArrayRecord shards.
   config.data.tokenizer = ""
   config.data.text_field = "text"  # the text of a .jsonl line or .parquet row
-  config.data.seq_len = 128
+  config.data.seq_len = 128  # tokens per training sequence (<= model.max_seq_len)
   config.data.batch_size = 16  # per learner (dp mode: num_learners x this, one learner)
   # One batch size per learner (sequences per step), or () = data.batch_size for every learner:
   # learners of different sizes, whose merges the token weights (merge.weighting) tell apart.

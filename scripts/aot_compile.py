@@ -27,12 +27,12 @@ import time
 # The TPU compiler needs no TPU backend: only CPU devices start in this process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import flags  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from decoupled_diloco import settings as settings_lib  # pylint: disable=g-import-not-at-top
+from decoupled_diloco import errors  # pylint: disable=g-import-not-at-top
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime import syncer_load
 from decoupled_diloco.runtime import tpu_aot
 
@@ -199,8 +199,13 @@ def _markdown(doc):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    raise errors.InputError(f"Unexpected arguments {argv[1:]}: flags take the form --name=value")
   started = time.perf_counter()
+  path = config_flags.get_config_filename(flags.FLAGS["config"]) if _CONFIG.value is not None \
+      else None
+  if path is None or not os.path.isfile(path.split(":", 1)[0]):
+    raise errors.InputError(f"--config={path or ''}: an experiment config file is required, e.g. "
+                            f"--config=experiments/dense_5b_v5p.py")
   config = _CONFIG.value
   # Compiled for TPU chips: the run there places its own devices and donates the train state.
   config.devices.platform = "tpu"
@@ -209,7 +214,7 @@ def main(argv):
     settings = settings_lib.validate(config)
     targets = tpu_aot.learner_targets(settings, _TOPOLOGY.value)
   except ValueError as err:
-    sys.exit(f"Invalid config: {err}")
+    raise errors.InputError(f"Invalid config: {err}") from err
   configured_remat = settings.model.remat
   remat_tried = None
   remat_s = None
@@ -255,4 +260,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -14,8 +14,9 @@ import json
 import os
 import sys
 
-from absl import app
 from absl import flags
+
+from decoupled_diloco import errors
 
 _OUT = flags.DEFINE_string("out", None, "Where the PNG goes; default WORKDIR/run.png.")
 
@@ -112,7 +113,8 @@ def draw(workdir: str, out: str) -> None:
 
 def main(argv):
   if len(argv) != 2:
-    raise app.UsageError("usage: plot_run.py WORKDIR [--out=PNG]")
+    raise errors.InputError(f"plot_run.py takes one WORKDIR, a run's config.workdir, not "
+                            f"{argv[1:] or 'none'} (usage: plot_run.py WORKDIR [--out=PNG])")
   workdir = argv[1]
   out = _OUT.value or os.path.join(workdir, "run.png")
   try:
@@ -120,9 +122,9 @@ def main(argv):
   except ModuleNotFoundError as err:
     sys.exit(f"plot_run.py needs matplotlib ({err}): pip install -e '.[bench]'")
   except (FileNotFoundError, ValueError) as err:
-    sys.exit(f"plot_run.py: {err}")
+    raise errors.InputError(f"WORKDIR={workdir}: {err}") from err
   print(out)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

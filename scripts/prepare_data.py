@@ -8,7 +8,8 @@ r"""Tokenizes text and packs it into ArrayRecord shards of seq_len + 1 ids that 
 .parquet files); --tokenizer is "byte" or a tokenizer file (scripts/train_tokenizer.py). The last
 --eval_fraction of each input file's tokens goes to the eval shards, as the in-memory loader holds
 it out. DIR/meta.json records the tokenizer (a copy sits next to the shards), vocabulary size,
-sequences, tokens, bytes and the bad records skipped by reason. Progress goes to stderr.
+sequences, tokens, bytes and the bad records skipped by reason. Progress goes to stderr. A mistake
+is one line and exit 2, and a failed or interrupted run leaves --out_dir as it found it.
 """
 
 import pathlib
@@ -17,10 +18,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import flags  # pylint: disable=g-import-not-at-top
 
-from decoupled_diloco.lm import array_records  # pylint: disable=g-import-not-at-top
+from decoupled_diloco import errors  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.lm import array_records
 from decoupled_diloco.lm import documents
 from decoupled_diloco.lm import tokenizers
 
@@ -39,10 +40,15 @@ _RECORDS_PER_SHARD = flags.DEFINE_integer("records_per_shard", 1 << 16, "Windows
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise errors.InputError(f"Unexpected arguments {argv[1:]}: flags take the form --name=value")
   started = time.perf_counter()
-  paths = documents.text_files(_INPUT.value)
-  tokenizer = tokenizers.load(_TOKENIZER.value)
+  # Every argument is checked before a file is read or written.
+  array_records.check_prepare_args(
+      seq_len=_SEQ_LEN.value, out_dir=_OUT_DIR.value, eval_fraction=_EVAL_FRACTION.value,
+      records_per_shard=_RECORDS_PER_SHARD.value, flag_prefix="--")
+  paths = documents.text_files(_INPUT.value, field="--input")
+  tokenizer = tokenizers.load(_TOKENIZER.value, field="--tokenizer")
   done = [0]
 
   def progress(path: str, meta: dict) -> None:
@@ -57,7 +63,7 @@ def main(argv):
   meta = array_records.prepare(
       paths, tokenizer, tokenizer_spec=_TOKENIZER.value, seq_len=_SEQ_LEN.value,
       out_dir=_OUT_DIR.value, eval_fraction=_EVAL_FRACTION.value, text_field=_TEXT_FIELD.value,
-      records_per_shard=_RECORDS_PER_SHARD.value, progress=progress)
+      records_per_shard=_RECORDS_PER_SHARD.value, progress=progress, flag_prefix="--")
   print(f"{_OUT_DIR.value}: {meta['train']['sequences']:,} train + {meta['eval']['sequences']:,} "
         f"eval sequences of {meta['seq_len'] + 1} ids ({tokenizer.name}, vocab "
         f"{meta['vocab_size']}), {meta['bytes']:,} bytes of text, {meta['skipped']} bad record(s) "
@@ -65,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main, interrupted="Interrupted (SIGINT): the shards written so far were removed")

@@ -11,12 +11,13 @@ itself, so no config is needed. Prints the prompt and its continuation; temperat
 """
 
 import os
+import re
 import sys
 import time
 
-from absl import app
 from absl import flags
 
+from decoupled_diloco import errors
 from decoupled_diloco.lm import sampling
 from decoupled_diloco.lm import tokenizers
 from decoupled_diloco.runtime import checkpoints
@@ -38,18 +39,28 @@ flags.mark_flags_as_required(["workdir"])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    raise errors.InputError(f"Unexpected arguments {argv[1:]}: flags take the form --name=value")
+  for flag in (_WORKDIR, _CHECKPOINT_DIR):
+    if flag.value is not None and "://" not in flag.value and not os.path.isdir(flag.value):
+      raise errors.InputError(f"--{flag.name}={flag.value}: no such directory")
   directory = _CHECKPOINT_DIR.value or os.path.join(_WORKDIR.value, "checkpoints")
+  flag = "--checkpoint_dir" if _CHECKPOINT_DIR.value else "--workdir"
   try:
     saved = checkpoints.read_model(directory, _CHECKPOINT.value)
-    spec = _TOKENIZER.value or saved.config_value("data.tokenizer")
-    tokenizer = tokenizers.load(spec)
+  except checkpoints.CheckpointError as err:
+    which = f"--checkpoint={_CHECKPOINT.value}" if _CHECKPOINT.value is not None else flag
+    raise errors.InputError(f"{which}: {err}") from err
+  spec = _TOKENIZER.value or saved.config_value("data.tokenizer")
+  tokenizer = tokenizers.load(spec, field="--tokenizer" if _TOKENIZER.value else
+                              "the run's config.data.tokenizer")
+  try:
     prompt = tokenizer.encode(_PROMPT.value)
     start = time.perf_counter()
     new = sampling.generate(saved.model_cfg, saved.params, prompt, num_tokens=_NUM_TOKENS.value,
                             temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value)
-  except (checkpoints.CheckpointError, ValueError, FileNotFoundError) as err:
-    sys.exit(f"sample.py: {err}")
+  except ValueError as err:  # sampling names its argument: --num_tokens, --temperature, --top_k
+    raise errors.InputError(f"--{err}" if re.match(r"^(num_tokens|temperature|top_k)=", str(err))
+                            else f"--prompt: {err}") from err
   seconds = time.perf_counter() - start
   print(f"[{saved.path}: {saved.source}'s model at step {saved.clock}, tokenizer {tokenizer.name}, "
         f"temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, seed {_SEED.value}; "
@@ -58,4 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

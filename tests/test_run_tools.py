@@ -100,6 +100,20 @@ def test_the_script_prints_the_prompt_and_the_model_s_greedy_continuation(traine
   assert "holds no job checkpoint" in out.stderr and "checkpoint.every_steps" in out.stderr
 
 
+def test_a_checkpoint_number_that_is_not_there_is_refused_naming_those_that_are(trained):
+  workdir, _, _ = trained
+  probe = checkpoints.Checkpoints(str(workdir / "checkpoints"), keep=None, fingerprint_={})
+  numbers = probe.steps()
+  probe.close()
+  with pytest.raises(checkpoints.CheckpointError, match="no job checkpoint 99; it holds " +
+                     ", ".join(map(str, numbers))):
+    checkpoints.read_model(str(workdir / "checkpoints"), 99)
+  out = _script("sample.py", f"--workdir={workdir}", "--checkpoint=99")
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert lines[-1].startswith("--checkpoint=99: ") and str(numbers[-1]) in lines[-1], lines
+
+
 def _script(name, *args):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))

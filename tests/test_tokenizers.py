@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from decoupled_diloco import errors
 from decoupled_diloco.lm import data
 from decoupled_diloco.lm import tokenizers
 
@@ -49,7 +50,7 @@ def test_trained_tokenizer_round_trips_text_and_counts_its_bytes(tmp_path, corpu
 
 
 def test_load_errors_name_config_data_tokenizer(tmp_path):
-  with pytest.raises(FileNotFoundError, match=r"config\.data\.tokenizer='.*absent\.model': no such"):
+  with pytest.raises(errors.InputError, match=r"config\.data\.tokenizer='.*absent\.model': no such"):
     tokenizers.load(str(tmp_path / "absent.model"))
   with pytest.raises(ValueError, match=r"config\.data\.tokenizer='gpt2': unknown kind"):
     tokenizers.load("gpt2")

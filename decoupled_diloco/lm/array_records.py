@@ -23,6 +23,8 @@ import shutil
 import grain
 import numpy as np
 
+from decoupled_diloco import errors
+
 META = "meta.json"
 FORMAT = "decoupled_diloco packed token windows"
 FIELD = "config.data.source"
@@ -43,13 +45,15 @@ def read_meta(directory: str) -> dict:
     with open(path, encoding="utf-8") as f:
       meta = json.load(f)
   except (OSError, json.JSONDecodeError) as err:
-    raise ValueError(f"{FIELD}={directory!r}: cannot read {META}: {err}") from err
+    raise errors.InputError(f"{FIELD}={directory!r}: cannot read {META}: {err}") from err
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-    raise ValueError(f"{FIELD}={directory!r}: {META} was not written by scripts/prepare_data.py")
+    raise errors.InputError(f"{FIELD}={directory!r}: {META} was not written by "
+                            f"scripts/prepare_data.py")
   for split in ("train", "eval"):
     for shard in meta[split]["shards"]:
       if not os.path.isfile(os.path.join(directory, shard)):
-        raise ValueError(f"{FIELD}={directory!r}: shard {shard} named in {META} is missing")
+        raise errors.InputError(f"{FIELD}={directory!r}: shard {shard} named in {META} is "
+                                f"missing")
   return meta
 
 
@@ -135,32 +139,65 @@ class TokenRecords(grain.sources.RandomAccessDataSource):
 def open_split(directory: str, meta: dict, split: str) -> TokenRecords:
   """The train or eval windows of a prepared dataset."""
   if not meta[split]["shards"]:
-    raise ValueError(f"{FIELD}={directory!r} holds no {split} window (meta.json); prepare it "
-                     f"again with more text, a smaller --seq_len or a larger --eval_fraction")
+    raise errors.InputError(f"{FIELD}={directory!r} holds no {split} window (meta.json); prepare "
+                            f"it again with more text, a smaller --seq_len or a larger "
+                            f"--eval_fraction")
   return TokenRecords(directory, meta[split]["shards"], meta["dtype"], meta["seq_len"])
+
+
+def check_prepare_args(*, seq_len: int, out_dir: str, eval_fraction: float,
+                       records_per_shard: int, flag_prefix: str = "") -> None:
+  """InputError unless `prepare` can take these; `flag_prefix` spells the arguments as the caller
+  takes them ("--" for a script's flags)."""
+  for name, value in (("seq_len", seq_len), ("records_per_shard", records_per_shard)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise errors.InputError(f"{flag_prefix}{name}={value!r} must be a positive integer")
+  if not 0.0 < eval_fraction <= 0.5:
+    raise errors.InputError(f"{flag_prefix}eval_fraction={eval_fraction!r} must be in (0, 0.5]")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise errors.InputError(f"{flag_prefix}out_dir={out_dir!r} is a file, not a directory")
+  if os.path.isdir(out_dir):
+    stale = [n for n in os.listdir(out_dir) if n == META or n.endswith(".array_record")]
+    if stale:
+      raise errors.InputError(f"{flag_prefix}out_dir={out_dir!r} already holds a dataset "
+                              f"({', '.join(sorted(stale))}); choose an empty directory")
 
 
 def prepare(paths: list[str], tokenizer, *, tokenizer_spec: str, seq_len: int, out_dir: str,
             eval_fraction: float, text_field: str, records_per_shard: int = 1 << 16,
-            progress=None) -> dict:
+            progress=None, flag_prefix: str = "") -> dict:
   """Tokenizes the text files `paths` and packs them into shards under `out_dir`; returns meta.
 
   The split is the in-memory loader's (`data.split_files`): the last `eval_fraction` of each
   file's tokens goes to the eval shards, the rest to the train shards, each stream cut into windows
   of seq_len + 1 ids that carry over from file to file. One file is in memory at a time.
-  `progress(path, meta_so_far)` is called after each file.
+  `progress(path, meta_so_far)` is called after each file. A split left without a window is an
+  InputError. On any failure (Ctrl-C too) the files written here are removed again, and `out_dir`
+  if this made it: half a dataset would look like one to the next try.
   """
+  check_prepare_args(seq_len=seq_len, out_dir=out_dir, eval_fraction=eval_fraction,
+                     records_per_shard=records_per_shard, flag_prefix=flag_prefix)
+  made_dir = not os.path.isdir(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  before = set(os.listdir(out_dir))
+  try:
+    return _prepare(paths, tokenizer, tokenizer_spec=tokenizer_spec, seq_len=seq_len,
+                    out_dir=out_dir, eval_fraction=eval_fraction, text_field=text_field,
+                    records_per_shard=records_per_shard, progress=progress,
+                    flag_prefix=flag_prefix)
+  except BaseException:
+    if made_dir:
+      shutil.rmtree(out_dir, ignore_errors=True)
+    else:
+      for name in set(os.listdir(out_dir)) - before:
+        os.remove(os.path.join(out_dir, name))
+    raise
+
+
+def _prepare(paths, tokenizer, *, tokenizer_spec, seq_len, out_dir, eval_fraction, text_field,
+             records_per_shard, progress, flag_prefix) -> dict:
   from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.lm import documents  # pylint: disable=g-import-not-at-top
-  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-    raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-  if not 0.0 < eval_fraction <= 0.5:
-    raise ValueError(f"eval_fraction={eval_fraction!r} must be in (0, 0.5]")
-  os.makedirs(out_dir, exist_ok=True)
-  stale = [n for n in os.listdir(out_dir) if n == META or n.endswith(".array_record")]
-  if stale:
-    raise ValueError(f"out_dir={out_dir!r} already holds a dataset ({', '.join(sorted(stale))}); "
-                     f"choose an empty directory")
   dtype = record_dtype(tokenizer.vocab_size)
   writers = {s: ShardWriter(out_dir, s, dtype, records_per_shard) for s in ("train", "eval")}
   packers = {s: Packer(w, seq_len + 1) for s, w in writers.items()}
@@ -181,6 +218,12 @@ def prepare(paths: list[str], tokenizer, *, tokenizer_spec: str, seq_len: int, o
     writer.close()
   meta = _meta(tokenizer, tokenizer_spec, seq_len, dtype, text_field, eval_fraction, paths,
                writers, packers, skipped, totals)
+  for split in ("train", "eval"):
+    if meta[split]["sequences"] == 0:
+      raise errors.InputError(
+          f"{flag_prefix}seq_len={seq_len} leaves no window of {seq_len + 1} ids in the {split} "
+          f"split of the {totals['tokens_read']:,} tokens read ({skipped.total} bad record(s) "
+          f"skipped {skipped.as_dict()}): lower it, or give more text")
   if tokenizer_spec != "byte":
     # A copy travels with the shards, so the dataset alone says how to decode it.
     shutil.copyfile(tokenizer_spec, os.path.join(out_dir, meta["tokenizer"]))

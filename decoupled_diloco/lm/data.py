@@ -22,6 +22,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from decoupled_diloco import errors
 from decoupled_diloco.lm import array_records
 from decoupled_diloco.lm import documents
 from decoupled_diloco.lm import tokenizers as tokenizers_lib
@@ -43,7 +44,7 @@ def load_tokens(path: str) -> np.ndarray:
     raise FileNotFoundError(f"config.data.source={path!r} is not a readable file")
   tokens = np.fromfile(path, dtype=np.uint8)
   if tokens.size == 0:
-    raise ValueError(f"config.data.source={path!r} is empty")
+    raise errors.InputError(f"config.data.source={path!r} is empty")
   return tokens
 
 
@@ -51,11 +52,12 @@ def split_tokens(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, 
   """(train, eval): the last `eval_fraction` of the tokens is held out for evaluation."""
   if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) \
       or not 0.0 < eval_fraction <= 0.5:
-    raise ValueError(f"config.data.eval_fraction={eval_fraction!r} must be in (0, 0.5]")
+    raise errors.InputError(f"config.data.eval_fraction={eval_fraction!r} must be in (0, 0.5]")
   train, evals = _tail_split(tokens, eval_fraction)
   if len(evals) < 1:
-    raise ValueError(
-        f"config.data.eval_fraction={eval_fraction} holds out no token of the {len(tokens)}"
+    raise errors.InputError(
+        f"config.data.eval_fraction={eval_fraction} holds out no token of the {len(tokens)} of "
+        f"config.data.source: give it more text"
     )
   return train, evals
 
@@ -123,8 +125,9 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
   """
   if array_records.is_dataset_dir(source):
     if validation_fraction:
-      raise ValueError(f"config.data.validation_fraction={validation_fraction} needs a text "
-                       f"source; config.data.source={source!r} holds ArrayRecord shards")
+      raise errors.InputError(f"config.data.validation_fraction={validation_fraction} needs a "
+                              f"text source; config.data.source={source!r} holds ArrayRecord "
+                              f"shards")
     meta = array_records.read_meta(source)
     skipped = {r: int(meta["skipped_by_reason"].get(r, 0)) for r in documents.SKIP_REASONS}
     return Dataset(array_records.open_split(source, meta, "train"),
@@ -134,8 +137,8 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
   if len(files) == 1:
     tokens = file_tokens(files[0], tokenizer, text_field, skipped)
     if tokens.size == 0:
-      raise ValueError(f"config.data.source={source!r} holds no text ({skipped.as_dict()} "
-                       f"records skipped)")
+      raise errors.InputError(f"config.data.source={source!r} holds no text ({skipped.as_dict()} "
+                              f"records skipped)")
     train, evals = split_tokens(tokens, eval_fraction)
     train, validation = _tail_split(train, validation_fraction)
   else:
@@ -145,13 +148,14 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
     validation = np.concatenate([v for _, v in trains])
     evals = np.concatenate([p[2] for p in parts])
     if evals.size == 0:
-      raise ValueError(f"config.data.eval_fraction={eval_fraction} holds out no token of the "
-                       f"{train.size} of config.data.source={source!r}")
+      raise errors.InputError(f"config.data.eval_fraction={eval_fraction} holds out no token of "
+                              f"the {train.size} of config.data.source={source!r}")
   held = None
   if validation_fraction:
     if validation.size <= seq_len:
-      raise ValueError(f"config.data.validation_fraction={validation_fraction} holds out "
-                       f"{validation.size} tokens, not one window of data.seq_len={seq_len}")
+      raise errors.InputError(f"config.data.validation_fraction={validation_fraction} holds out "
+                              f"{validation.size} tokens, not one window of "
+                              f"data.seq_len={seq_len}")
     held = PackedSequences(validation, seq_len)
   return Dataset(PackedSequences(train, seq_len), PackedSequences(evals, seq_len), tokenizer,
                  skipped.as_dict(), held)
@@ -164,7 +168,7 @@ def eval_bytes(batches: list[dict[str, np.ndarray]], tokenizer: tokenizers_lib.T
 
 def _check_positive(name: str, value: Any) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"config.data.{name}={value!r} must be a positive integer")
+    raise errors.InputError(f"config.data.{name}={value!r} must be a positive integer")
 
 
 class PackedSequences(grain.sources.RandomAccessDataSource):
@@ -180,9 +184,9 @@ class PackedSequences(grain.sources.RandomAccessDataSource):
     self._window = seq_len + 1
     self._num_windows = len(self._tokens) // self._window
     if self._num_windows < 1:
-      raise ValueError(
+      raise errors.InputError(
           f"config.data.seq_len={seq_len} leaves no window of {self._window} tokens in a split "
-          f"of {len(self._tokens)} tokens"
+          f"of {len(self._tokens)} tokens: lower it, or give config.data.source more text"
       )
 
   def __len__(self) -> int:
@@ -224,7 +228,7 @@ def make_train_loader(tokens: np.ndarray | grain.sources.RandomAccessDataSource,
   source = _windows(tokens, seq_len)
   per_shard = len(source) // num_shards
   if per_shard < batch_size:
-    raise ValueError(
+    raise errors.InputError(
         f"config.data.batch_size={batch_size} exceeds the {per_shard} windows of one of "
         f"{num_shards} shards ({len(source)} windows of config.data.seq_len={seq_len})"
     )
@@ -254,7 +258,7 @@ def make_eval_batches(tokens: np.ndarray | grain.sources.RandomAccessDataSource,
     raise ValueError(f"max_batches={max_batches!r} must be a positive integer")
   source = _windows(tokens, seq_len)
   if len(source) < batch_size:
-    raise ValueError(
+    raise errors.InputError(
         f"the eval split has {len(source)} windows, fewer than config.data.batch_size="
         f"{batch_size}; raise config.data.eval_fraction"
     )

@@ -15,6 +15,8 @@ import json
 import os
 from collections.abc import Iterator
 
+from decoupled_diloco import errors
+
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 # Why a record was skipped: no text in it, no text_field (or not a string), bytes that are not
 # UTF-8, a line that is not JSON (or not a JSON object).
@@ -37,9 +39,10 @@ def is_glob(source: str) -> bool:
   return any(c in source for c in "*?[")
 
 
-def text_files(source: str) -> list[str]:
+def text_files(source: str, field: str = FIELD) -> list[str]:
   """The text files a source names, in a fixed order (learners' shards and the eval split depend
-  on it). Raises ValueError naming config.data.source when there are none."""
+  on it). Raises InputError naming `field` (config.data.source, or a script's --input) when there
+  are none."""
   if is_glob(source):
     files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
   elif os.path.isdir(source):
@@ -48,10 +51,10 @@ def text_files(source: str) -> list[str]:
   elif os.path.isfile(source):
     return [source]  # one file: text whatever its extension, as before .jsonl / .parquet came
   else:
-    raise ValueError(f"{FIELD}={source!r}: no such file, directory or glob match")
+    raise errors.InputError(f"{field}={source!r}: no such file, directory or glob match")
   files = [p for p in files if p.endswith(TEXT_EXTENSIONS)]
   if not files:
-    raise ValueError(f"{FIELD}={source!r} holds no {' / '.join(TEXT_EXTENSIONS)} file")
+    raise errors.InputError(f"{field}={source!r} holds no {' / '.join(TEXT_EXTENSIONS)} file")
   return files
 
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from decoupled_diloco import errors
 
 # Documents are separated by this token in a packed stream, so the model sees where one ends.
 EOS_PIECE = "<|endoftext|>"
@@ -75,13 +78,13 @@ class ByteTokenizer(Tokenizer):
 
 class SentencePieceTokenizer(Tokenizer):
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, field: str = FIELD):
     import sentencepiece  # pylint: disable=g-import-not-at-top
     self._sp = sentencepiece.SentencePieceProcessor()
     try:
       self._sp.Load(path)
     except (OSError, RuntimeError) as err:
-      raise ValueError(f"{FIELD}={path!r} is not a SentencePiece model: {err}") from err
+      raise errors.InputError(f"{field}={path!r} is not a SentencePiece model: {err}") from err
     self.name = f"sentencepiece {os.path.basename(path)}"
     self.vocab_size = int(self._sp.GetPieceSize())
     self.eos_id = int(self._sp.eos_id()) if self._sp.eos_id() >= 0 else None
@@ -109,12 +112,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 class HuggingFaceTokenizer(Tokenizer):
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, field: str = FIELD):
     import tokenizers as hf_tokenizers  # pylint: disable=g-import-not-at-top
     try:
       self._tok = hf_tokenizers.Tokenizer.from_file(path)
     except Exception as err:  # the Rust side raises a bare Exception for a malformed file
-      raise ValueError(f"{FIELD}={path!r} is not a Hugging Face tokenizers file: {err}") from err
+      raise errors.InputError(f"{field}={path!r} is not a Hugging Face tokenizers file: "
+                              f"{err}") from err
     self._byte_level = isinstance(self._tok.decoder, hf_tokenizers.decoders.ByteLevel)
     self.name = f"tokenizers {os.path.basename(path)}"
     self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -145,45 +149,93 @@ class HuggingFaceTokenizer(Tokenizer):
     return self._bytes
 
 
-def load(spec: str) -> Tokenizer:
-  """The tokenizer `spec` names: "byte", a SentencePiece `.model` or a `tokenizers` `.json` file."""
+def load(spec: str, field: str = FIELD) -> Tokenizer:
+  """The tokenizer `spec` names: "byte", a SentencePiece `.model` or a `tokenizers` `.json` file.
+  A bad spec is an InputError naming `field` (config.data.tokenizer, or a script's flag)."""
   if spec == "byte":
     return ByteTokenizer()
   if not isinstance(spec, str) or not spec:
-    raise ValueError(f"{FIELD}={spec!r} must be 'byte' or the path of a SentencePiece .model or a "
-                     f"tokenizers .json file")
+    raise errors.InputError(f"{field}={spec!r} must be 'byte' or the path of a SentencePiece "
+                            f".model or a tokenizers .json file")
   if not spec.endswith(EXTENSIONS):
-    raise ValueError(f"{FIELD}={spec!r}: unknown kind of tokenizer; use 'byte', a SentencePiece "
-                     f".model or a tokenizers .json file (scripts/train_tokenizer.py makes either)")
+    raise errors.InputError(f"{field}={spec!r}: unknown kind of tokenizer; use 'byte', a "
+                            f"SentencePiece .model or a tokenizers .json file "
+                            f"(scripts/train_tokenizer.py makes either)")
   if not os.path.isfile(spec):
-    raise FileNotFoundError(f"{FIELD}={spec!r}: no such file (nothing is fetched from a hub; "
+    raise errors.InputError(f"{field}={spec!r}: no such file (nothing is fetched from a hub; "
                             f"scripts/train_tokenizer.py makes one)")
   if spec.endswith(".model"):
-    return SentencePieceTokenizer(spec)
-  return HuggingFaceTokenizer(spec)
+    return SentencePieceTokenizer(spec, field)
+  return HuggingFaceTokenizer(spec, field)
 
 
-def train(texts: Iterable[str], vocab_size: int, out: str) -> Tokenizer:
+# Ids that come before any merge, by the extension of the file `train` writes: SentencePiece's 256
+# byte-fallback pieces and its unk, bos and eos; byte-level BPE's 256 byte symbols and end-of-text.
+MIN_VOCAB_SIZE = {".model": 260, ".json": 257}
+_KINDS = {".model": "SentencePiece model", ".json": "byte-level BPE tokenizers file"}
+
+
+class VocabularyNotReached(errors.InputError):
+  """The text has too few distinct pairs to merge into the vocabulary size asked for."""
+
+  def __init__(self, message: str, reached: int):
+    super().__init__(message)
+    self.reached = reached
+
+
+def check_train_args(vocab_size: int, out: str, flag_prefix: str = "") -> None:
+  """InputError unless `train` can make a tokenizer of `vocab_size` ids at `out` (its extension,
+  its directory); `flag_prefix` spells the arguments as the caller takes them ("--" for flags)."""
+  extension = os.path.splitext(out)[1]
+  if extension not in MIN_VOCAB_SIZE:
+    raise errors.InputError(f"{flag_prefix}out={out!r} must end in .model (a SentencePiece BPE "
+                            f"model) or .json (a byte-level BPE tokenizers file): the extension "
+                            f"chooses the kind")
+  directory = os.path.dirname(out) or "."
+  if not os.path.isdir(directory):
+    raise errors.InputError(f"{flag_prefix}out={out!r}: no such directory {directory!r}")
+  minimum = MIN_VOCAB_SIZE[extension]
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < minimum:
+    raise errors.InputError(
+        f"{flag_prefix}vocab_size={vocab_size!r} must be an integer >= {minimum} for a "
+        f"{_KINDS[extension]}: its {minimum - 1} byte and control ids come before any merge")
+
+
+def train(texts: Iterable[str], vocab_size: int, out: str, *, allow_smaller: bool = False,
+          flag_prefix: str = "") -> Tokenizer:
   """Trains a tokenizer of `vocab_size` ids on `texts` and writes it to `out`: a SentencePiece BPE
   model for `.model`, a byte-level BPE `tokenizers` file for `.json`. Both cover every byte (byte
-  fallback; a byte-level alphabet), so no text is ever unknown, and decode(encode(text)) == text."""
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-    raise ValueError(f"vocab_size={vocab_size!r} must be a positive integer")
-  if out.endswith(".model"):
-    _train_sentencepiece(texts, vocab_size, out)
-  elif out.endswith(".json"):
-    _train_bpe(texts, vocab_size, out)
-  else:
-    raise ValueError(f"out={out!r} must end in .model (SentencePiece) or .json (tokenizers)")
+  fallback; a byte-level alphabet), so no text is ever unknown, and decode(encode(text)) == text.
+
+  A text too small for `vocab_size` raises VocabularyNotReached, naming the size it reached,
+  unless `allow_smaller`. `out` is written whole or not at all (a failure leaves an earlier file
+  there as it was). Errors spell the arguments with `flag_prefix` ("--" for a script's flags).
+  """
+  check_train_args(vocab_size, out, flag_prefix)
+  extension = os.path.splitext(out)[1]
+  partial = os.path.join(os.path.dirname(out) or ".",
+                         f".{os.path.basename(out)}.partial-{os.getpid()}{extension}")
+  try:
+    if extension == ".model":
+      _train_sentencepiece(texts, vocab_size, partial, flag_prefix)
+    else:
+      _train_bpe(texts, vocab_size, partial)
+    reached = load(partial).vocab_size
+    if reached < vocab_size and not allow_smaller:
+      raise VocabularyNotReached(
+          f"{flag_prefix}vocab_size={vocab_size}: the text gives a {_KINDS[extension]} of only "
+          f"{reached} ids (the merges ran out of pairs); ask for at most {reached}, or give more "
+          f"text", reached)
+    os.replace(partial, out)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
   return load(out)
 
 
-def _train_sentencepiece(texts: Iterable[str], vocab_size: int, out: str) -> None:
+def _train_sentencepiece(texts: Iterable[str], vocab_size: int, out: str,
+                         flag_prefix: str) -> None:
   import sentencepiece  # pylint: disable=g-import-not-at-top
-  # 256 byte pieces + unk, bos, eos come first: below that there is no room for a merge.
-  if vocab_size < 260:
-    raise ValueError(f"vocab_size={vocab_size} must be >= 260 for a SentencePiece model: 256 "
-                     f"byte-fallback pieces and 3 control pieces come first")
   # SentencePiece learns from "sentences" of at most max_sentence_length bytes: feed lines.
   lines = (line for text in texts for line in text.splitlines() if line.strip())
   with open(out, "wb") as model:
@@ -196,16 +248,24 @@ def _train_sentencepiece(texts: Iterable[str], vocab_size: int, out: str) -> Non
           add_dummy_prefix=False, byte_fallback=True, split_digits=True, eos_piece=EOS_PIECE,
           hard_vocab_limit=False, minloglevel=2)
     except RuntimeError as err:
-      # E.g. a vocabulary smaller than the 259 byte and control pieces plus the text's characters.
-      raise ValueError(f"vocab_size={vocab_size}: SentencePiece cannot train it: {err}") from err
+      # A vocabulary smaller than the 259 byte and control pieces plus the text's characters:
+      # SentencePiece's own message suggests an option (--character_coverage) no caller has.
+      needed = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)",
+                         str(err))
+      if needed:
+        raise errors.InputError(
+            f"{flag_prefix}vocab_size={vocab_size} must be >= {needed.group(1)} for a "
+            f"SentencePiece model of this text: its byte and control pieces and one piece for "
+            f"each of the text's characters come first") from err
+      if "sentences_.empty()" in str(err):
+        raise errors.InputError("the text has no non-blank line to train a SentencePiece model "
+                                "on") from err
+      raise
 
 
 def _train_bpe(texts: Iterable[str], vocab_size: int, out: str) -> None:
   import tokenizers as hf_tokenizers  # pylint: disable=g-import-not-at-top
   alphabet = hf_tokenizers.pre_tokenizers.ByteLevel.alphabet()
-  if vocab_size < len(alphabet) + 1:
-    raise ValueError(f"vocab_size={vocab_size} must be >= {len(alphabet) + 1} for byte-level BPE: "
-                     f"its {len(alphabet)} byte symbols and the end-of-text token come first")
   tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.BPE())
   tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = hf_tokenizers.decoders.ByteLevel()

@@ -379,7 +379,12 @@ def read_model(directory: str, number: int | None = None) -> SavedModel:
                           "wrote none (config.checkpoint.every_steps=0?) or it is elsewhere "
                           "(config.checkpoint.dir)")
   probe = Checkpoints(directory, keep=None, fingerprint_={})
-  numbers = [number] if number is not None else list(reversed(probe.steps(_JOB)))
+  available = probe.steps(_JOB)
+  if number is not None and number not in available:
+    probe.close()
+    raise CheckpointError(f"{directory} holds no job checkpoint {number}; it holds "
+                          f"{', '.join(map(str, available)) or 'none'}")
+  numbers = [number] if number is not None else list(reversed(available))
   metas = (probe._read_meta(_JOB, n) for n in numbers)  # pylint: disable=protected-access
   meta = next((m for m in metas if m is not None), None)
   probe.close()

@@ -39,6 +39,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
+from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.runtime import device_share
@@ -46,7 +47,7 @@ from decoupled_diloco.runtime import device_share
 GB = 1e9
 
 
-class DeviceMemoryError(ValueError):
+class DeviceMemoryError(errors.InputError):
   """The learners (and the eval model) do not fit on a device; names the fields to change."""
 
 

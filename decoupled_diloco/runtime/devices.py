@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from decoupled_diloco import errors
 from decoupled_diloco.runtime import throughput
 
 # Every learner mesh has all three axes; a (data, model) shape has fsdp = 1 (see model.py's rules).
@@ -46,7 +47,7 @@ def request_fake_cpu_devices(count: int) -> None:
   if _backends_initialised():
     have = len(jax.devices("cpu"))
     if have < count:
-      raise ValueError(
+      raise errors.InputError(
           f"config.devices.num_fake_cpu_devices={count} but JAX already started with {have} CPU "
           f"devices; set XLA_FLAGS={_COUNT_FLAG}={count} before JAX initialises")
     return
@@ -90,7 +91,8 @@ def build_meshes(
   try:
     devices = jax.devices(platform)
   except RuntimeError as err:
-    raise ValueError(f"config.devices.platform={platform!r}: no such devices here ({err})") from err
+    raise errors.InputError(
+        f"config.devices.platform={platform!r}: no such devices here ({err})") from err
   sharing = learners_sharing_devices
   needed = sum(math.prod(shape) for shape in learner_mesh_shapes[::sharing])
   cpu_shared = platform == "cpu"
@@ -98,7 +100,7 @@ def build_meshes(
   if total_needed > len(devices):
     shared = (f" shared by groups of config.devices.learners_sharing_devices={sharing}"
               if sharing > 1 else "")
-    raise ValueError(
+    raise errors.InputError(
         f"config.learner_mesh_shapes={learner_mesh_shapes}{shared} (+ config.syncer.num_devices="
         f"{syncer_devices} on CPU) need {total_needed} {platform} devices but only {len(devices)} "
         f"exist; raise config.devices.num_fake_cpu_devices or shrink the meshes")
@@ -116,7 +118,7 @@ def build_meshes(
     else:
       cpus = jax.devices("cpu")
       if syncer_devices > len(cpus):
-        raise ValueError(
+        raise errors.InputError(
             f"config.syncer.num_devices={syncer_devices} but this host has {len(cpus)} CPU "
             f"devices; lower it or raise config.devices.num_fake_cpu_devices")
       syncer_chunk = cpus[:syncer_devices]
@@ -137,5 +139,5 @@ def check_tpu_topologies(meshes, topologies: tuple[str, ...]) -> None:
     chip = throughput.tpu_chip(kind)
     generation = name.split(":")[0]
     if chip is None or chip.generation != generation:
-      raise ValueError(f"config.devices.tpu_topologies[{index}]={name!r} but learner {index}'s "
-                       f"devices are {kind} chips")
+      raise errors.InputError(f"config.devices.tpu_topologies[{index}]={name!r} but learner "
+                              f"{index}'s devices are {kind} chips")

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
@@ -82,7 +83,7 @@ _RESTART_KINDS = ("syncer_restart", "job_restart")
 _LEARNER_FAULTS = ("crash", "slow", "hang", "partition", "nan")
 
 
-class TapeError(ValueError):
+class TapeError(errors.InputError):
   """A tape this replay cannot follow (or the replay's settings cannot follow it), said why."""
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from decoupled_diloco import errors
 from decoupled_diloco.runtime import throughput
 
 # Share of a chip's usable HBM that `remat='auto'` and the AOT report want left free: room for the
@@ -33,7 +34,7 @@ REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "ful
 _GIB = 1024**3
 
 
-class DoesNotFit(ValueError):
+class DoesNotFit(errors.InputError):
   """A learner program needs more HBM per chip than its chip has."""
 
 

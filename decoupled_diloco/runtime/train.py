@@ -183,12 +183,6 @@ def build(settings: settings_lib.RunSettings, *,
     raise event_tape.TapeError(f"config.replay={settings.replay!r}: config.workdir={settings.workdir!r} "
                      "holds a checkpoint; a replay starts from the recording's start, in a fresh "
                      "workdir")
-  metrics = metrics_lib.MetricsWriter(
-      settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None,
-      tape=settings.tape and not settings.replay)
-  if metrics.taping:
-    metrics.tape_event("config", {"format": event_tape.FORMAT,
-                                  "config": event_tape.settings_record(settings)})
   data = settings.data
   dataset = data_lib.load_dataset(
       data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
@@ -241,6 +235,15 @@ def build(settings: settings_lib.RunSettings, *,
       if injector is not None:
         train_step = injector.wrap_train_step(index, train_step)  # nan faults corrupt its output
       built.append((train_step, state, shardings, batches))
+  # Only now, with the data read and every learner's step compiled and checked against its
+  # device's memory: an input the run cannot use leaves the workdir, and an earlier run's files
+  # in it, untouched.
+  metrics = metrics_lib.MetricsWriter(
+      settings.workdir, resume_at_s=history["wall_seconds"] if restored is not None else None,
+      tape=settings.tape and not settings.replay)
+  if metrics.taping:
+    metrics.tape_event("config", {"format": event_tape.FORMAT,
+                                  "config": event_tape.settings_record(settings)})
   syncer, port = None, None
 
   secret = secrets.token_bytes(32)  # runtime=ray: this job's MAC key (runtime/ray_runtime.py)
