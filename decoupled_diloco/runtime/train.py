@@ -752,13 +752,24 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   return summary
 
 
+# A second signal this soon after the first is the same one, not a user pressing Ctrl-C again:
+# `timeout`, Slurm and a terminal signal the whole process group, so a run under a wrapper gets
+# two SIGINTs a few ms apart (2 ms measured under `timeout`, 2026-11-26). A person pressing Ctrl-C
+# twice on purpose takes longer than this.
+SAME_SIGNAL_WINDOW_S = 1.0
+
+
 class _StopSignal:
   """SIGTERM / SIGINT handlers of the main thread: the first asks for a checkpoint and a clean
-  stop, a second one exits at once. Elsewhere (a run started from another thread) it does
-  nothing: signals reach only the main thread."""
+  stop, a second one more than SAME_SIGNAL_WINDOW_S later exits at once. Elsewhere (a run started
+  from another thread) it does nothing: signals reach only the main thread."""
 
-  def __init__(self):
+  def __init__(self, clock: Callable[[], float] = time.monotonic,
+               exit_now: Callable[[int], None] = os._exit):  # pylint: disable=protected-access
     self.signum: int | None = None
+    self._first_at: float | None = None
+    self._clock = clock
+    self._exit_now = exit_now
     self._previous: dict[int, Any] = {}
 
   def install(self) -> None:
@@ -774,14 +785,18 @@ class _StopSignal:
 
   def _handle(self, signum: int, frame) -> None:
     del frame
+    now = self._clock()
     if self.signum is not None:
+      if now - self._first_at < SAME_SIGNAL_WINDOW_S:
+        return  # the process group's copy of the first signal
       logging.error("%s again: exiting at once, without a checkpoint",
                     signal.Signals(signum).name)
       logging.flush()
-      os._exit(128 + signum)  # pylint: disable=protected-access
-    self.signum = signum
-    logging.warning("%s: writing a checkpoint, then stopping (send it again to exit at once)",
-                    signal.Signals(signum).name)
+      self._exit_now(128 + signum)
+      return
+    self.signum, self._first_at = signum, now
+    logging.warning("%s: writing a checkpoint, then stopping (send it again after %g s to exit "
+                    "at once)", signal.Signals(signum).name, SAME_SIGNAL_WINDOW_S)
 
 
 def _stop_with_checkpoint(run: Run, saver: "_Checkpointer", signum: int) -> None:
