@@ -560,9 +560,10 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
                       elastic_lock_step=elastic_lock_step)
 
 
-def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
+def _resolve_chaos(config, mode: str, num_learners: int, num_steps: int) -> ChaosSettings:
   schedule = _get(config, "chaos.schedule")
   faults = chaos.parse_schedule(schedule, num_learners)
+  chaos.check_within_run(faults, num_steps)
   random_crashes = chaos.RandomCrashes(
       mtbf_s=_check_float(config, "chaos.mtbf_s", 0.0),
       repair_s=_check_float(config, "chaos.repair_s", 0.0),
@@ -664,6 +665,7 @@ def _resolve_data_source(config) -> tuple[str, str, tokenizers.Tokenizer, int | 
     files = documents.text_files(source)
     if len(files) == 1 and os.path.getsize(files[0]) == 0:
       _fail("data.source", source, "the file is empty")
+    documents.check_text(source, files)  # /bin/ls would train, on ELF bytes
     spec = spec or "byte"
   return source, spec, _load_tokenizer(spec), dataset_seq_len
 
@@ -760,7 +762,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
                           num_workers=_check_int(config, "syncer.num_workers", 1))
 
   sync = _resolve_sync(config, mode, num_learners)
-  chaos_settings = _resolve_chaos(config, mode, num_learners)
+  chaos_settings = _resolve_chaos(config, mode, num_learners, num_steps)
   max_restarts = _check_int(config, "max_restarts", 0)
   late_learners = _late_learners(config, mode, num_learners, chaos_settings.faults)
   checkpoint, restore = _resolve_checkpoint(config, workdir)

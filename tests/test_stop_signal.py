@@ -1,4 +1,4 @@
-"""A stop signal and its copies: the handler of runtime/train.py called directly, on a fake clock."""
+"""A stop signal and its copies: runtime/train.py's handler called directly, on a fake clock."""
 
 import signal
 

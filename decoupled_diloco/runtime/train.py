@@ -155,6 +155,15 @@ def build(settings: settings_lib.RunSettings, *,
     # A tape this run cannot replay is refused before anything compiles.
     event_tape.check_replayable(event_tape.load(settings.replay),
                                 event_tape.settings_record(settings))
+  # Before anything is written (the workdir, a cache, a checkpoint): a source with no text or too
+  # little of it is the user's to fix and leaves nothing behind.
+  data = settings.data
+  dataset = data_lib.load_dataset(
+      data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
+      seq_len=data.seq_len, eval_fraction=data.eval_fraction,
+      validation_fraction=data.validation_fraction,
+      min_train_windows=settings.num_learners * max(settings.learner_batch_sizes),
+      min_eval_windows=data.batch_size)
   # Before anything touches JAX (reading a checkpoint back does): the platforms and the device
   # count are fixed then.
   devices_lib.use_platform(settings.devices.platform)
@@ -189,11 +198,6 @@ def build(settings: settings_lib.RunSettings, *,
   if metrics.taping:
     metrics.tape_event("config", {"format": event_tape.FORMAT,
                                   "config": event_tape.settings_record(settings)})
-  data = settings.data
-  dataset = data_lib.load_dataset(
-      data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
-      seq_len=data.seq_len, eval_fraction=data.eval_fraction,
-      validation_fraction=data.validation_fraction)
   eval_batches = data_lib.make_eval_batches(
       dataset.eval, seq_len=data.seq_len, batch_size=data.batch_size,
       max_batches=settings.eval_batches)
