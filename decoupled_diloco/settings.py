@@ -28,6 +28,7 @@ import typing
 from collections.abc import Sequence
 
 import ml_collections
+from absl import logging
 
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
@@ -809,6 +810,12 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   # The lm's dataclasses check their own fields and name them; the schedule checks the warmup
   # against num_steps.
   inner_cfg = inner.InnerConfig(**_section(config, "inner"))
+  warmup_steps = inner.warmup_for_run(inner_cfg.warmup_steps, num_steps)
+  if warmup_steps != inner_cfg.warmup_steps:
+    logging.info("config.inner.warmup_steps=%d is more than %.0f%% of config.num_steps=%d: "
+                 "warming up over %d steps", inner_cfg.warmup_steps,
+                 100 * inner.MAX_WARMUP_SHARE, num_steps, warmup_steps)
+    inner_cfg = dataclasses.replace(inner_cfg, warmup_steps=warmup_steps)
   inner.make_inner_optimizer(inner_cfg, num_steps)
   data_source, tokenizer_spec, tokenizer, dataset_seq_len = _resolve_data_source(config)
   model_fields = _section(config, "model")
