@@ -16,6 +16,7 @@ from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime import quiet_logs
 from decoupled_diloco.runtime import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -49,6 +50,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv):
+  quiet_logs.install(flags.FLAGS.verbosity)  # the libraries' INFO only with --verbosity=1
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
