@@ -2,6 +2,10 @@
 
 import logging
 import os
+import pathlib
+import re
+import subprocess
+import sys
 
 from absl import logging as absl_logging
 
@@ -10,6 +14,7 @@ from decoupled_diloco.runtime import quiet_logs
 
 _OWN = os.path.join(os.path.dirname(decoupled_diloco.__file__), "runtime", "train.py")
 _SITE = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _record(pathname, level, msg, *args):
@@ -53,3 +58,29 @@ def test_verbosity_asks_for_everything(monkeypatch):
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
   finally:
     handler.removeFilter(installed)
+
+
+def _run_main(workdir, *args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+  env.pop("XLA_FLAGS", None)  # as in a user's shell: the run asks for its fake devices
+  return subprocess.run(
+      [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py",
+       f"--config.workdir={workdir}", "--config.mode=dp", "--config.num_steps=2",
+       "--config.checkpoint.every_steps=1", "--config.eval_batches=1", "--config.log_every=1",
+       "--config.compilation_cache_dir=none", *args],
+      cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_a_run_with_checkpoints_logs_only_its_own_lines(tmp_path):
+  """The whole command: orbax writes three checkpoints (~50 INFO lines each before), and none of
+  its lines reach the terminal; the run's progress, checkpoint and final lines do."""
+  out = _run_main(tmp_path / "run")
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  sources = {m.group(1) for m in map(re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]").match,
+                                      lines) if m}
+  assert sources <= {"main.py", "settings.py", "train.py", "device_memory.py"}, out.stderr
+  text = out.stderr
+  assert "step 1/2 |" in text and "checkpoint of step" in text and "done: final eval loss" in text
+  assert len(lines) < 20, out.stderr
