@@ -68,8 +68,10 @@ class InnerConfig:
 
 # The most of a run its warmup may take. A short run (a smoke test, --config.num_steps=4) keeps
 # the experiment's other settings: its warmup is cut to this share of the run instead of failing
-# on a warmup longer than the run, and the cosine still has the rest to decay over. Half, so that
-# no run valid before (warmup_steps=40 of 400 in the default, of 200 or 800 in the studies) changes.
+# on a warmup longer than the run, and the cosine still has the rest to decay over. Half: the
+# default run (40 of 400 steps) and the studies (40 of 200 or 800) keep their warmup; only a run of
+# under 80 steps at warmup 40 changes (one of 41-79 steps was valid before, and warmed up for most
+# of its length).
 MAX_WARMUP_SHARE = 0.5
 
 
