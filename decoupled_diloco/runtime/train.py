@@ -53,6 +53,7 @@ from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import job_restart
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import live_bar
 from decoupled_diloco.runtime import memory_fit
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
@@ -698,7 +699,12 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     for learner in learners:
       if run.supervisor is None or not run.supervisor.holds_back(learner.index):
         learner.start()
-    _train_until_done(run, evals, progress, saver, stop)
+    bar = live_bar.LiveBar(settings.num_steps) if progress else None
+    try:
+      _train_until_done(run, evals, progress, saver, stop, bar)
+    finally:
+      if bar is not None:
+        bar.close()
     if stop.signum is not None:
       _stop_with_checkpoint(run, saver, stop.signum)
     if run.injector is not None:
@@ -987,7 +993,8 @@ class _Checkpointer:
 
 
 def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
-                      saver: _Checkpointer, stop: _StopSignal) -> None:
+                      saver: _Checkpointer, stop: _StopSignal,
+                      bar: live_bar.LiveBar | None = None) -> None:
   """Watches the learners until every one has made its last step (or failed), or a stop signal."""
   settings, learners, syncer = run.settings, run.learners, run.syncer
   stall_timeout = settings.stall_timeout_s
@@ -1029,6 +1036,8 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
           f"no learner made a step for {stall_timeout} s (config.stall_timeout_s); learner "
           f"steps {[l.step for l in learners]}")
     clock = max(l.step for l in learners)
+    if bar is not None:
+      bar.show(clock)
     if clock < settings.num_steps:
       if progress and clock >= next_log:
         _log_progress(run, clock, evals)
