@@ -13,6 +13,7 @@ import collections
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 
 from decoupled_diloco import errors
@@ -30,8 +31,10 @@ FIELD = "config.data.source"
 # are bytes), an executable or an archive never does.
 MAX_BINARY_SHARE = 0.3
 SNIFF_BYTES = 64 << 10  # read from the start of each file
-SNIFF_FILES = 64  # the first files of a large directory; each of those is read in full elsewhere
-_TEXT_CONTROLS = frozenset(b"\t\n\r\f\v")
+SNIFF_FILES = 64  # the first files of a large directory: a check at start-up, not a scan of the corpus
+# Control characters that are not text (tab, newline, vertical tab, form feed and carriage return,
+# 9-13, are), and the U+DC80-U+DCFF that surrogateescape decodes a byte of no UTF-8 sequence to.
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\udc80-\udcff]")
 
 
 class SkipCounter(collections.Counter):
@@ -72,10 +75,7 @@ def binary_share(raw: bytes) -> float:
   return, form feed and vertical tab are text), and bytes of no valid UTF-8 sequence."""
   if not raw:
     return 0.0
-  decoded = raw.decode("utf-8", errors="surrogateescape")  # a bad byte b -> U+DC00 + b
-  bad = sum(1 for c in decoded if "\udc80" <= c <= "\udcff" or
-            (ord(c) < 32 and ord(c) not in _TEXT_CONTROLS))
-  return bad / len(raw)
+  return len(_NOT_TEXT.findall(raw.decode("utf-8", errors="surrogateescape"))) / len(raw)
 
 
 def check_text(source: str, files: list[str]) -> None:
