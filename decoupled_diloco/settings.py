@@ -28,6 +28,7 @@ import typing
 from collections.abc import Sequence
 
 import ml_collections
+from absl import logging
 
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
@@ -560,9 +561,10 @@ def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
                       elastic_lock_step=elastic_lock_step)
 
 
-def _resolve_chaos(config, mode: str, num_learners: int) -> ChaosSettings:
+def _resolve_chaos(config, mode: str, num_learners: int, num_steps: int) -> ChaosSettings:
   schedule = _get(config, "chaos.schedule")
   faults = chaos.parse_schedule(schedule, num_learners)
+  chaos.check_within_run(faults, num_steps)
   random_crashes = chaos.RandomCrashes(
       mtbf_s=_check_float(config, "chaos.mtbf_s", 0.0),
       repair_s=_check_float(config, "chaos.repair_s", 0.0),
@@ -664,6 +666,7 @@ def _resolve_data_source(config) -> tuple[str, str, tokenizers.Tokenizer, int | 
     files = documents.text_files(source)
     if len(files) == 1 and os.path.getsize(files[0]) == 0:
       _fail("data.source", source, "the file is empty")
+    documents.check_text(source, files)  # /bin/ls would train, on ELF bytes
     spec = spec or "byte"
   return source, spec, _load_tokenizer(spec), dataset_seq_len
 
@@ -757,7 +760,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
                           num_workers=_check_int(config, "syncer.num_workers", 1))
 
   sync = _resolve_sync(config, mode, num_learners)
-  chaos_settings = _resolve_chaos(config, mode, num_learners)
+  chaos_settings = _resolve_chaos(config, mode, num_learners, num_steps)
   max_restarts = _check_int(config, "max_restarts", 0)
   late_learners = _late_learners(config, mode, num_learners, chaos_settings.faults)
   checkpoint, restore = _resolve_checkpoint(config, workdir)
@@ -804,6 +807,12 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   # The lm's dataclasses check their own fields and name them; the schedule checks the warmup
   # against num_steps.
   inner_cfg = inner.InnerConfig(**_section(config, "inner"))
+  warmup_steps = inner.warmup_for_run(inner_cfg.warmup_steps, num_steps)
+  if warmup_steps != inner_cfg.warmup_steps:
+    logging.info("config.inner.warmup_steps=%d is more than %.0f%% of config.num_steps=%d: "
+                 "warming up over %d steps", inner_cfg.warmup_steps,
+                 100 * inner.MAX_WARMUP_SHARE, num_steps, warmup_steps)
+    inner_cfg = dataclasses.replace(inner_cfg, warmup_steps=warmup_steps)
   inner.make_inner_optimizer(inner_cfg, num_steps)
   data_source, tokenizer_spec, tokenizer, dataset_seq_len = _resolve_data_source(config)
   model_fields = _section(config, "model")

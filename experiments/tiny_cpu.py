@@ -186,7 +186,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer = ml_collections.ConfigDict()
   config.outer.name = "sgd_nesterov"  # sgd_nesterov | sgd | adam
   # Not published for the paper; DiLoCo used 0.7 / 0.9. At this scale (200 steps, same seed)
-  # momentum 0.9 ended at 2.17-2.20 nats/byte, 0.6 at 2.01-2.03: merges of staggered fragments
+  # momentum 0.9 ended at 2.17-2.20 nats/token, 0.6 at 2.01-2.03: merges of staggered fragments
   # with K = 1 are noisier than DiLoCo's lock-step averages and heavy momentum overshoots. 0.3
   # (with inner.learning_rate 2e-2): study 7's choice on the validation split, see inner.
   config.outer.learning_rate = 0.7

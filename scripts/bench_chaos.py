@@ -206,7 +206,7 @@ def main(argv):
     for t in fault_times:
       ax.axvline(t, color=line.get_color(), alpha=0.15, linewidth=1)
   ax.set_xlabel("seconds of training")
-  ax.set_ylabel("eval loss (nats/byte)")
+  ax.set_ylabel("eval loss (nats/token)")
   ax.set_title("Same faults, three modes (vertical lines: faults as they fired)")
   ax.legend()
   fig.tight_layout()

@@ -69,7 +69,7 @@ def main(argv):
         "final_eval_loss", "tokens_trained", "wall_seconds", "merges", "learner_steps",
         "bytes_learner_syncer")}
     results[mode]["overrides"] = overrides
-    print(f"{mode:10s} final eval loss {summary['final_eval_loss']:.4f} nats/byte, "
+    print(f"{mode:10s} final eval loss {summary['final_eval_loss']:.4f} nats/token, "
           f"{summary['tokens_trained']:,} tokens, {summary['wall_seconds']:.0f} s", flush=True)
   seconds = time.perf_counter() - start
   report = {"num_steps": _NUM_STEPS.value, "modes": results, "bigram_eval": bigram,
@@ -82,7 +82,7 @@ def main(argv):
     for name in VARIANTS:
       if name in results:
         report[f"{name}_over_dp"] = results[name]["final_eval_loss"] / dp
-  lines = ["| mode | final eval loss (nats/byte) | vs dp | tokens | wall s |", "|---|---|---|---|---|"]
+  lines = ["| mode | final eval loss (nats/token) | vs dp | tokens | wall s |", "|---|---|---|---|---|"]
   for mode, r in results.items():
     rel = (f"{100 * (r['final_eval_loss'] / results['dp']['final_eval_loss'] - 1):+.2f}%"
            if "dp" in results else "")

@@ -99,7 +99,7 @@ def _plot(stem, stats, dp_bf16):
                 capsize=3, color=f"C{i}", label=arm)
   ax.axvline(90, color="gray", ls=":", lw=0.8)
   ax.set(xscale="log", xlabel="x fewer bytes per step than a bf16-gradient DP worker",
-         ylabel="final eval loss (nats/byte)", title="compression ladder")
+         ylabel="final eval loss (nats/token)", title="compression ladder")
   ax.legend(fontsize=8)
   sc.save_figure(fig, stem)
 

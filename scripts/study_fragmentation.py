@@ -103,7 +103,7 @@ def _plot(stem, stats, splits):
   losses = [stats[m]["final_eval_loss"] for m in METHODS]
   loss.errorbar(range(len(METHODS)), [s["mean"] for s in losses], yerr=sc.yerr(losses),
                 fmt="o", capsize=3)
-  loss.set(xticks=range(len(METHODS)), xticklabels=METHODS, ylabel="final eval loss (nats/byte)",
+  loss.set(xticks=range(len(METHODS)), xticklabels=METHODS, ylabel="final eval loss (nats/token)",
            title="global model, seeds min-max")
   sc.save_figure(fig, stem)
 

@@ -114,7 +114,7 @@ def _plot(stem, stats):
                   xerr=sc.yerr([s["goodput"]]), yerr=sc.yerr([s["final_eval_loss"]]),
                   fmt="o", capsize=3, label=arm)
     paper.scatter(PAPER[arm][0], PAPER[arm][1], label=arm)
-  ours.set(xlabel="goodput", ylabel="final eval loss (nats/byte, lower better)",
+  ours.set(xlabel="goodput", ylabel="final eval loss (nats/token, lower better)",
            title="this framework, tiny_cpu, 8 learners")
   paper.set(xlabel="goodput", ylabel="text average (higher better)", title="paper")
   ours.legend()

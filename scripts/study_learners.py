@@ -5,7 +5,7 @@ The paper splits the same chips M ways, so each learner gets 1/M of the global b
 learner makes the same number of steps. Here: the 8 fake CPU devices of tiny_cpu split into M
 learners of 8/M devices each, per-learner batch 64/M sequences, the same steps for every arm, so
 every arm trains the same tokens on the same devices; dp (one learner, batch 64) is the reference.
-Figure: final eval loss of the global model (nats/byte; lower is better), 2 seeds, mean (min-max).
+Figure: final eval loss of the global model (nats/token; lower is better), 2 seeds, mean (min-max).
 
   python scripts/study_learners.py                  # ~20 min on 2 cores
   python scripts/study_learners.py --num_steps=100 --seeds=0
@@ -59,7 +59,7 @@ def main(argv):
     rows.append([arm, sc.fmt(loss), f"{loss['mean'] / dp - 1:+.2%}", sc.paired(results, arm, "dp"),
                  f"{loss['spread']:.4f}", f"{tokens.pop():,}", str(PAPER.get(arm, "-"))])
   table = sc.markdown_table(
-      ["arm", "final eval loss, nats/byte (min-max)", "vs dp", "minus dp, per seed", "seed spread",
+      ["arm", "final eval loss, nats/token (min-max)", "vs dp", "minus dp, per seed", "seed spread",
        "tokens", "paper text avg (higher better)"], rows)
   print(table)
   markdown = (f"# Study: number of learners at equal total tokens\n\n"
@@ -84,7 +84,7 @@ def _plot(stem, stats):
                 marker="o", capsize=3, label="decoupled")
   ours.axhline(stats["dp"]["final_eval_loss"]["mean"], color="gray", ls="--", label="dp")
   ours.set(xscale="log", xlabel="learners M",
-           ylabel="final eval loss (nats/byte)", title="this framework, tiny_cpu")
+           ylabel="final eval loss (nats/token)", title="this framework, tiny_cpu")
   ours.legend()
   paper.plot(ms, [PAPER[a] for a in names], marker="s", color="C1")
   paper.set(xscale="log", xlabel="learners M",

@@ -88,7 +88,7 @@ def _plot(stem, rule_stats, weight_stats):
     ax.errorbar(range(len(names)), [x["mean"] for x in s],
                 yerr=sc.yerr(s),
                 fmt="o", capsize=3)
-    ax.set(xticks=range(len(names)), xticklabels=names, ylabel="final eval loss (nats/byte)",
+    ax.set(xticks=range(len(names)), xticklabels=names, ylabel="final eval loss (nats/token)",
            title=title)
   sc.save_figure(fig, stem)
 

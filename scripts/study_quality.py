@@ -157,7 +157,7 @@ def _plot(stem, tried):
   for i, t in enumerate(tried):
     ax.scatter(i, t["validation_loss"], color="C0" if t["mode"] == "dp" else "C1")
   ax.set(xticks=range(len(tried)), xlabel="configuration tried (in order; dp blue, decoupled "
-         "orange)", ylabel="validation loss (nats/byte)", title="tuning on validation")
+         "orange)", ylabel="validation loss (nats/token)", title="tuning on validation")
   sc.save_figure(fig, stem)
 
 

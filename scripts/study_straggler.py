@@ -120,7 +120,7 @@ def _plot(stem, runs, calib, target, seed):
                                 (f"{m}, none", calib[f"{m} calibration"][seed]["curve"], ":")):
       ax.plot([c[0] for c in curve], [c[1] for c in curve], style, color=f"C{i}", label=label)
   ax.axhline(target, color="gray", lw=0.8)
-  ax.set(xlabel="seconds since training started", ylabel="eval loss (nats/byte)",
+  ax.set(xlabel="seconds since training started", ylabel="eval loss (nats/token)",
          title=f"seed {seed}")
   ax.legend(fontsize=8)
   sc.save_figure(fig, stem)

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 from absl import flags
 
@@ -86,6 +87,10 @@ def fixture_main_cli(monkeypatch, capsys):
   """Runs decoupled_diloco.main's command line in this process: call(*args) -> (exit code, the
   message lines of stderr, stdout)."""
   from decoupled_diloco import main as main_lib  # pylint: disable=g-import-not-at-top
+  # JAX starts here with conftest's fake devices, as every other test's runs find it: a row run
+  # first in a fresh process would otherwise start it with the experiment's 9 (and set XLA_FLAGS
+  # for every later test's subprocesses).
+  jax.devices()
   monkeypatch.chdir(_ROOT)  # the rows name experiments/ as a user in a clone does
 
   def call(*args: str) -> tuple[int, list[str], str]:

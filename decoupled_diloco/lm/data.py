@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import os
 from typing import Any
 
@@ -116,12 +117,15 @@ class Dataset:
 
 
 def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field: str,
-                 seq_len: int, eval_fraction: float, validation_fraction: float = 0.0) -> Dataset:
+                 seq_len: int, eval_fraction: float, validation_fraction: float = 0.0,
+                 min_train_windows: int = 1, min_eval_windows: int = 1) -> Dataset:
   """The train and eval windows of `config.data.source` (settings.validate resolved it).
 
   A directory of ArrayRecord shards is opened for random access, its eval split as prepared; text
   is read and tokenized here, whole, into memory. `validation_fraction` > 0 (text only): the last
   fraction of each file's training tokens (the part before its eval tail) is the validation split.
+  A source with no text, or too little for `min_train_windows` training and `min_eval_windows`
+  eval windows of seq_len + 1 tokens (what the run's batches need), is an InputError naming it.
   """
   if array_records.is_dataset_dir(source):
     if validation_fraction:
@@ -130,16 +134,17 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
                               f"shards")
     meta = array_records.read_meta(source)
     skipped = {r: int(meta["skipped_by_reason"].get(r, 0)) for r in documents.SKIP_REASONS}
-    return Dataset(array_records.open_split(source, meta, "train"),
-                   array_records.open_split(source, meta, "eval"), tokenizer, skipped)
+    train_split = array_records.open_split(source, meta, "train")
+    eval_split = array_records.open_split(source, meta, "eval")
+    _check_size(source, tokenizer, seq_len, (len(train_split), len(eval_split)),
+                (min_train_windows, min_eval_windows), eval_fraction)
+    return Dataset(train_split, eval_split, tokenizer, skipped)
   files = documents.text_files(source)
   skipped = documents.SkipCounter()
   if len(files) == 1:
     tokens = file_tokens(files[0], tokenizer, text_field, skipped)
-    if tokens.size == 0:
-      raise errors.InputError(f"config.data.source={source!r} holds no text ({skipped.as_dict()} "
-                              f"records skipped)")
-    train, evals = split_tokens(tokens, eval_fraction)
+    _check_text_found(source, tokens.size, skipped)
+    train, evals = _tail_split(tokens, eval_fraction)  # too few tokens: _check_size names it
     train, validation = _tail_split(train, validation_fraction)
   else:
     parts = list(split_files(files, tokenizer, text_field, eval_fraction, skipped))
@@ -147,9 +152,10 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
     train = np.concatenate([t for t, _ in trains])
     validation = np.concatenate([v for _, v in trains])
     evals = np.concatenate([p[2] for p in parts])
-    if evals.size == 0:
-      raise errors.InputError(f"config.data.eval_fraction={eval_fraction} holds out no token of "
-                              f"the {train.size} of config.data.source={source!r}")
+    _check_text_found(source, train.size + validation.size + evals.size, skipped)
+  window = seq_len + 1
+  _check_size(source, tokenizer, seq_len, (train.size // window, evals.size // window),
+              (min_train_windows, min_eval_windows), eval_fraction)
   held = None
   if validation_fraction:
     if validation.size <= seq_len:
@@ -159,6 +165,32 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
     held = PackedSequences(validation, seq_len)
   return Dataset(PackedSequences(train, seq_len), PackedSequences(evals, seq_len), tokenizer,
                  skipped.as_dict(), held)
+
+
+def _check_text_found(source: str, num_tokens: int, skipped: documents.SkipCounter) -> None:
+  if num_tokens == 0:
+    reasons = ", ".join(f"{n} {r}" for r, n in skipped.as_dict().items() if n)
+    raise errors.InputError(
+        f"config.data.source={source!r} is invalid: it holds no text ({skipped.total} records "
+        f"skipped: {reasons or 'none'}; config.data.text_field names the text of a .jsonl line "
+        f"or .parquet row)")
+
+
+def _check_size(source: str, tokenizer: tokenizers_lib.Tokenizer, seq_len: int,
+                windows: tuple[int, int], needed: tuple[int, int], eval_fraction: float) -> None:
+  """(train, eval) windows against what the run needs: a corpus of a few bytes fails here, named,
+  rather than deep in a loader on a batch size or a sequence length that are not the mistake."""
+  if all(have >= need for have, need in zip(windows, needed)):
+    return
+  window = seq_len + 1
+  tokens = math.ceil(max(needed[0] * window / (1 - eval_fraction),
+                         needed[1] * window / eval_fraction))
+  raise errors.InputError(
+      f"config.data.source={source!r} is too small for this run: it makes {windows[0]} training "
+      f"and {windows[1]} eval windows of config.data.seq_len+1={window} tokens "
+      f"({tokenizer.name} tokens), and the run needs {needed[0]} and {needed[1]} (a batch for "
+      f"every learner; one eval batch): about {tokens:,} tokens, with config.data.eval_fraction="
+      f"{eval_fraction} held out")
 
 
 def eval_bytes(batches: list[dict[str, np.ndarray]], tokenizer: tokenizers_lib.Tokenizer) -> int:

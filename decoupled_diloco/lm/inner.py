@@ -66,6 +66,20 @@ class InnerConfig:
           f"config.inner.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 = off)")
 
 
+# The most of a run its warmup may take. A short run (a smoke test, --config.num_steps=4) keeps
+# the experiment's other settings: its warmup is cut to this share of the run instead of failing
+# on a warmup longer than the run, and the cosine still has the rest to decay over. Half: the
+# default run (40 of 400 steps) and the studies (40 of 200 or 800) keep their warmup; only a run of
+# under 80 steps at warmup 40 changes (one of 41-79 steps was valid before, and warmed up for most
+# of its length).
+MAX_WARMUP_SHARE = 0.5
+
+
+def warmup_for_run(warmup_steps: int, total_steps: int) -> int:
+  """The warmup a run of `total_steps` uses: `warmup_steps`, at most MAX_WARMUP_SHARE of the run."""
+  return min(warmup_steps, int(total_steps * MAX_WARMUP_SHARE))
+
+
 def _check_total_steps(cfg: InnerConfig, total_steps: int) -> None:
   if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
     raise ValueError(f"total_steps={total_steps!r} must be a positive integer")

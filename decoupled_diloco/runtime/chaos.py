@@ -156,6 +156,16 @@ def parse_schedule(text: str, num_learners: int) -> tuple[Fault, ...]:
   return tuple(faults)
 
 
+def check_within_run(faults: Sequence[Fault], num_steps: int) -> None:
+  """Every step-triggered fault fires: a learner's last step is num_steps - 1, and a fault set
+  for a later one would pass unnoticed, the run reporting a resilience it was never asked for.
+  (A `second=` fault past the end cannot be known at start-up: the run's length in time is not.)"""
+  for index, fault in enumerate(faults):
+    if fault.step is not None and fault.step >= num_steps:
+      raise _error(index, fault.source, f"step={fault.step} is never reached: the run's last "
+                                        f"step is {num_steps - 1} (config.num_steps={num_steps})")
+
+
 def check_joins(faults: Sequence[Fault], late_learners: Sequence[int]) -> None:
   """Each late learner joins exactly once, and only late learners join."""
   joins = [f.learner for f in faults if f.kind == "join"]

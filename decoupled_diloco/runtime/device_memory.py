@@ -87,8 +87,9 @@ def check_learner(settings: settings_lib.RunSettings, train_step: inner.TrainSte
   device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
   limit, source = limit_bytes(device, settings.devices.memory_per_device_gb)
   if limit is None:
-    logging.info("device memory not checked: %s reports none (config.devices.memory_per_device_gb"
-                 "=0)", device.device_kind)
+    # Once a run, not once a learner: the same is true of each.
+    logging.log_first_n(logging.INFO, "device memory not checked: %s reports none "
+                        "(config.devices.memory_per_device_gb=0)", 1, device.device_kind)
     return
   # As `_compile` and the learner pass it: host arrays, which the step's in_shardings place.
   tokens = jax.ShapeDtypeStruct((batch_size, settings.data.seq_len), jnp.int32)

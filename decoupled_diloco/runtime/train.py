@@ -53,6 +53,7 @@ from decoupled_diloco.runtime import injector as injector_lib
 from decoupled_diloco.runtime import job_restart
 from decoupled_diloco.runtime import job_state
 from decoupled_diloco.runtime import learner as learner_lib
+from decoupled_diloco.runtime import live_bar
 from decoupled_diloco.runtime import memory_fit
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
@@ -155,6 +156,15 @@ def build(settings: settings_lib.RunSettings, *,
     # A tape this run cannot replay is refused before anything compiles.
     event_tape.check_replayable(event_tape.load(settings.replay),
                                 event_tape.settings_record(settings))
+  # Before anything is written (the workdir, a cache, a checkpoint): a source with no text or too
+  # little of it is the user's to fix and leaves nothing behind.
+  data = settings.data
+  dataset = data_lib.load_dataset(
+      data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
+      seq_len=data.seq_len, eval_fraction=data.eval_fraction,
+      validation_fraction=data.validation_fraction,
+      min_train_windows=settings.num_learners * max(settings.learner_batch_sizes),
+      min_eval_windows=data.batch_size)
   # Before anything touches JAX (reading a checkpoint back does): the platforms and the device
   # count are fixed then.
   devices_lib.use_platform(settings.devices.platform)
@@ -183,11 +193,6 @@ def build(settings: settings_lib.RunSettings, *,
     raise event_tape.TapeError(f"config.replay={settings.replay!r}: config.workdir={settings.workdir!r} "
                      "holds a checkpoint; a replay starts from the recording's start, in a fresh "
                      "workdir")
-  data = settings.data
-  dataset = data_lib.load_dataset(
-      data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
-      seq_len=data.seq_len, eval_fraction=data.eval_fraction,
-      validation_fraction=data.validation_fraction)
   eval_batches = data_lib.make_eval_batches(
       dataset.eval, seq_len=data.seq_len, batch_size=data.batch_size,
       max_batches=settings.eval_batches)
@@ -697,7 +702,12 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
     for learner in learners:
       if run.supervisor is None or not run.supervisor.holds_back(learner.index):
         learner.start()
-    _train_until_done(run, evals, progress, saver, stop)
+    bar = live_bar.LiveBar(settings.num_steps) if progress else None
+    try:
+      _train_until_done(run, evals, progress, saver, stop, bar)
+    finally:
+      if bar is not None:
+        bar.close()
     if stop.signum is not None:
       _stop_with_checkpoint(run, saver, stop.signum)
     if run.injector is not None:
@@ -755,13 +765,24 @@ def execute(run: Run, *, progress: bool = True) -> dict[str, Any]:
   return summary
 
 
+# A second signal this soon after the first is the same one, not a user pressing Ctrl-C again:
+# `timeout`, Slurm and a terminal signal the whole process group, so a run under a wrapper gets
+# two SIGINTs a few ms apart (2 ms measured under `timeout`, 2026-11-26). A person pressing Ctrl-C
+# twice on purpose takes longer than this.
+SAME_SIGNAL_WINDOW_S = 1.0
+
+
 class _StopSignal:
   """SIGTERM / SIGINT handlers of the main thread: the first asks for a checkpoint and a clean
-  stop, a second one exits at once. Elsewhere (a run started from another thread) it does
-  nothing: signals reach only the main thread."""
+  stop, a second one more than SAME_SIGNAL_WINDOW_S later exits at once. Elsewhere (a run started
+  from another thread) it does nothing: signals reach only the main thread."""
 
-  def __init__(self):
+  def __init__(self, clock: Callable[[], float] = time.monotonic,
+               exit_now: Callable[[int], None] = os._exit):  # pylint: disable=protected-access
     self.signum: int | None = None
+    self._first_at: float | None = None
+    self._clock = clock
+    self._exit_now = exit_now
     self._previous: dict[int, Any] = {}
 
   def install(self) -> None:
@@ -777,14 +798,18 @@ class _StopSignal:
 
   def _handle(self, signum: int, frame) -> None:
     del frame
+    now = self._clock()
     if self.signum is not None:
+      if now - self._first_at < SAME_SIGNAL_WINDOW_S:
+        return  # the process group's copy of the first signal
       logging.error("%s again: exiting at once, without a checkpoint",
                     signal.Signals(signum).name)
       logging.flush()
-      os._exit(128 + signum)  # pylint: disable=protected-access
-    self.signum = signum
-    logging.warning("%s: writing a checkpoint, then stopping (send it again to exit at once)",
-                    signal.Signals(signum).name)
+      self._exit_now(128 + signum)
+      return
+    self.signum, self._first_at = signum, now
+    logging.warning("%s: writing a checkpoint, then stopping (send it again after %g s to exit "
+                    "at once)", signal.Signals(signum).name, SAME_SIGNAL_WINDOW_S)
 
 
 def _stop_with_checkpoint(run: Run, saver: "_Checkpointer", signum: int) -> None:
@@ -971,7 +996,8 @@ class _Checkpointer:
 
 
 def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
-                      saver: _Checkpointer, stop: _StopSignal) -> None:
+                      saver: _Checkpointer, stop: _StopSignal,
+                      bar: live_bar.LiveBar | None = None) -> None:
   """Watches the learners until every one has made its last step (or failed), or a stop signal."""
   settings, learners, syncer = run.settings, run.learners, run.syncer
   stall_timeout = settings.stall_timeout_s
@@ -1013,6 +1039,8 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
           f"no learner made a step for {stall_timeout} s (config.stall_timeout_s); learner "
           f"steps {[l.step for l in learners]}")
     clock = max(l.step for l in learners)
+    if bar is not None:
+      bar.show(clock)
     if clock < settings.num_steps:
       if progress and clock >= next_log:
         _log_progress(run, clock, evals)
