@@ -16,6 +16,7 @@ from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -52,7 +53,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
-    run_settings = settings.validate(_CONFIG.value)
+    # A replay takes every field the command line does not set from its recording.
+    config = replay_config.with_recording(_CONFIG.value, _override_names(sys.argv))
+    run_settings = settings.validate(config)
   except ValueError as err:
     sys.exit(f"Invalid config: {err}")
   try:

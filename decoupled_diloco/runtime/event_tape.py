@@ -52,6 +52,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.errors import InputError
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime import injector
@@ -82,7 +83,7 @@ _RESTART_KINDS = ("syncer_restart", "job_restart")
 _LEARNER_FAULTS = ("crash", "slow", "hang", "partition", "nan")
 
 
-class TapeError(ValueError):
+class TapeError(InputError):
   """A tape this replay cannot follow (or the replay's settings cannot follow it), said why."""
 
 
@@ -304,11 +305,12 @@ def check_replayable(tape: Tape, now_settings: Mapping[str, str]) -> dict[str, l
   it computes differ); else `changed_fields`. `train.build` asks before anything compiles."""
   changed = changed_fields(tape.config, now_settings)
   if changed["structural"]:
-    shown = "; ".join(f"config.{k}={tape.config.get(k, '(absent)')} there, "
-                      f"{now_settings.get(k, '(absent)')} here" for k in changed["structural"][:4])
-    raise TapeError(f"config.replay: the recorded run had other settings that shape what it "
-                    f"computes: {shown}. Replay with the recording's experiment; only merge.*, "
-                    "outer.* and compression.* may change (a counterfactual replay)")
+    first, *others = changed["structural"]
+    also = f" (also {', '.join('config.' + k for k in others[:4])})" if others else ""
+    raise TapeError(f"config.{first}={now_settings.get(first, '(absent)')} cannot change in a "
+                    f"replay: the recording has {tape.config.get(first, '(absent)')}, and it shapes "
+                    f"what the run computes{also}. Only merge.*, outer.* and compression.* may "
+                    "differ (a counterfactual replay); leave the rest to the recording")
   return changed
 
 

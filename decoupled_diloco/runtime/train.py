@@ -57,6 +57,7 @@ from decoupled_diloco.runtime import memory_fit
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
 from decoupled_diloco.runtime import ray_syncer
+from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.runtime import syncer_keeper as keeper_lib
@@ -1088,9 +1089,10 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
   settings = run.settings
   tape = event_tape.load(settings.replay)
   now = event_tape.settings_record(settings)
-  for name in event_tape.changed_fields(tape.config, now)["counterfactual"]:
-    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", name, now[name],
-                 tape.config.get(name))
+  counterfactual = replay_config.counterfactual(tape.config, now)
+  for field in counterfactual:
+    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", field["field"],
+                 field["replayed"], field["recorded"])
   try:
     outcome = event_tape.replay(run, tape, now)
     final = _evaluate(run, settings.num_steps, final=True)
@@ -1104,6 +1106,8 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
       # that change nothing it computes.
       "replay_changed_fields": outcome.changed["counterfactual"],
       "replay_ignored_fields": outcome.changed["ignored"],
+      # The counterfactual fields with their values: field, recorded, replayed (reprs).
+      "replay_counterfactual": counterfactual,
       "final_eval_loss": final["eval_loss"],
       "final_validation_loss": final.get("validation_loss"),
       "final_eval_bits_per_byte": final["eval_bits_per_byte"],
