@@ -46,6 +46,7 @@ from decoupled_diloco.runtime import checkpoint_faults
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import device_share
+from decoupled_diloco.runtime import elastic_restore
 from decoupled_diloco.runtime import devices as devices_lib
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import goodput as goodput_lib
@@ -114,8 +115,10 @@ class Interrupted(Exception):
 
 
 def _open_checkpoints(settings: settings_lib.RunSettings
-                      ) -> tuple[checkpoints_lib.Checkpoints, checkpoints_lib.RestoredCheckpoint | None]:
-  """The run's checkpoint directory, and the checkpoint it resumes from (config.restore).
+                      ) -> tuple[checkpoints_lib.Checkpoints, checkpoints_lib.RestoredCheckpoint | None,
+                                 elastic_restore.Change | None]:
+  """The run's checkpoint directory, the checkpoint it resumes from (config.restore), and what
+  the restore changes in learners and meshes (runtime/elastic_restore.py).
 
   Reads before anything compiles, so a missing or foreign checkpoint fails at once.
   """
@@ -132,15 +135,22 @@ def _open_checkpoints(settings: settings_lib.RunSettings
           f"config.restore='none' but {ck.dir} holds checkpoints {target.steps()}: a fresh run "
           f"would mix with them. Use another config.workdir or config.checkpoint.dir, remove "
           f"them, or resume (config.restore=auto)")
-    return target, None
+    return target, None, None
   if settings.restore == "auto" and not source.steps():
-    return target, None
+    return target, None, None
   restored = source.restore_job(number)
   if restored is None:
     raise checkpoints_lib.CheckpointError(
         f"config.restore={settings.restore!r}: no checkpoint in {source_dir}")
   logging.info("resuming from %s (clock %d)", restored.path, restored.cut.clock)
-  return target, restored
+  elastic = elastic_restore.change(restored, settings)
+  if elastic:
+    # One batch size for all learners: data.learner_batch_sizes, per learner, is in the
+    # fingerprint and cannot change with their number.
+    elastic_restore.adapt(restored, elastic, settings.learner_batch_size * settings.data.seq_len)
+    logging.info(elastic.describe(peer=max(restored.cut.learners, key=lambda c: c.step).index
+                                  if restored.cut.learners else None))
+  return target, restored, elastic
 
 
 def build(settings: settings_lib.RunSettings, *,
@@ -161,12 +171,13 @@ def build(settings: settings_lib.RunSettings, *,
   devices_lib.use_platform(settings.devices.platform)
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   _use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
-  saver, restored = _open_checkpoints(settings)
+  saver, restored, elastic = _open_checkpoints(settings)
   history = job_state.empty_history(settings.num_learners)
   if restored is not None:
     history.update(restored.cut.history)
     history["resumes"] = list(history["resumes"]) + [
-        {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped}]
+        {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped,
+         **({"elastic": elastic.to_json()} if elastic else {})}]
   in_processes = settings.runtime == "ray"
   # With learner processes (config.runtime=ray) this process holds the syncer and one CPU device
   # for the model's initialisation and the evaluations; each learner makes its own mesh.
@@ -267,7 +278,8 @@ def build(settings: settings_lib.RunSettings, *,
   # Late learners that have not joined yet (in a resumed run: by the checkpoint's faults).
   joined = {f["learner"] for f in history["faults"] if f["fault"] == "join"}
   held_back = tuple(m for m in settings.late_learners if m not in joined)
-  learner_cuts = _learner_cuts(restored, history, syncer, layout, held_back) if restored else {}
+  learner_cuts = _learner_cuts(restored, history, syncer, layout, held_back,
+                               elastic.joining if elastic else ()) if restored else {}
   learners = []
   supervisor_box: list[supervisor_lib.Supervisor | None] = [None]  # built after the learners
 
@@ -592,10 +604,12 @@ def learner_options(settings: settings_lib.RunSettings, index: int) -> learner_l
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
                   syncer: syncer_lib.Syncer | None, layout: model_lib.ParamLayout,
-                  held_back: tuple[int, ...]) -> dict[int, checkpoints_lib.LearnerCut]:
+                  held_back: tuple[int, ...], joining: tuple[int, ...] = ()
+                  ) -> dict[int, checkpoints_lib.LearnerCut]:
   """Each learner's state in the checkpoint; one absent from it (it had failed and was waiting
   for its repair when the cut was taken) rejoins from a peer's state and the syncer's Theta. A
-  late learner that had not joined yet (`held_back`) still joins at its join second."""
+  late learner that had not joined yet (`held_back`) still joins at its join second. `joining`:
+  learners the checkpoint's run did not have (an elastic restore), which start the same way."""
   cuts = {c.index: c for c in restored.cut.learners}
   absent = [m for m in range(len(history["steps_made"])) if m not in cuts and m not in held_back]
   if absent and (syncer is None or not cuts):
@@ -609,8 +623,9 @@ def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[st
     cuts[m] = job_state.rejoin_cut(m, incarnation, peer, layout.to_native(theta), theta, versions,
                                    data_state.encode() if data_state else None)
     history["incarnations"][m], history["start_steps"][m] = incarnation, peer.step
-    logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
-                 "step %d and the syncer's Theta", m, peer.index, peer.step)
+    if m not in joining:
+      logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
+                   "step %d and the syncer's Theta", m, peer.index, peer.step)
   return cuts
 
 
@@ -951,6 +966,7 @@ class _Checkpointer:
         "train_seconds": base["train_seconds"] + train_seconds,
         "wall_seconds": base["wall_seconds"] + time.perf_counter() - self._started,
         "resumes": list(base["resumes"]),
+        "dropped_learner_tokens": base.get("dropped_learner_tokens", 0),
         "absent_data": absent_data,
         "time_accounting": goodput_lib.whole_run(
             run, started_at=run.started_at, ended_at=time.monotonic(), final=False).to_json(),
@@ -1252,7 +1268,9 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "num_learners": run.settings.num_learners,
       "num_params": run.num_params,
       "num_fragments": len(run.fragments),
-      "tokens_trained": int(np.dot(steps_made, tokens_per_step)),
+      # Learners an elastic restore dropped count with the steps they made before it.
+      "tokens_trained": int(np.dot(steps_made, tokens_per_step))
+                        + int(history.get("dropped_learner_tokens", 0)),
       "final_eval_loss": evals[-1]["eval_loss"],  # nats per token
       # On the validation split (config.data.validation_fraction; None without one).
       "final_validation_loss": evals[-1].get("validation_loss"),
