@@ -49,8 +49,10 @@ _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_
                "syncer.num_workers", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
                "profile_steps", "compilation_cache_dir", "tape", "replay")
 # Fields a resumed run may change by an elastic restore (runtime/elastic_restore.py): how many
-# learners there are and the shape of each one's mesh; the quorum follows the number of learners.
-ELASTIC = ("num_learners", "learner_mesh_shapes", "sync.quorum")
+# learners there are and the shape of each one's mesh; with another number of learners, the
+# quorum too (it is bounded by it).
+ELASTIC = ("num_learners", "learner_mesh_shapes")
+_WITH_NUM_LEARNERS = ("sync.quorum",)
 _JOB, _SYNCER = "job", "syncer"
 _COUNTERS = ("since", "counter_steps", "counter_tokens", "anchor_versions")
 
@@ -260,8 +262,11 @@ class Checkpoints:
 
   def _check_fingerprint(self, meta: dict[str, Any], path: str) -> None:
     theirs = meta.get("fingerprint", {})
+    elastic = ELASTIC
+    if theirs.get("num_learners") != self._fingerprint.get("num_learners"):
+      elastic += _WITH_NUM_LEARNERS
     differ = sorted(k for k in set(theirs) | set(self._fingerprint)
-                    if theirs.get(k) != self._fingerprint.get(k) and k not in ELASTIC)
+                    if theirs.get(k) != self._fingerprint.get(k) and k not in elastic)
     if differ:
       shown = "; ".join(f"config.{k}={theirs.get(k, '(absent)')} there, "
                         f"{self._fingerprint.get(k, '(absent)')} here" for k in differ[:4])
