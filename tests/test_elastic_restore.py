@@ -97,17 +97,30 @@ def _assert_carried_over(run, written):
   assert list(run.syncer.model.versions) == written.cut.syncer["json"]["model"]["versions"]
 
 
-def _assert_within_noise(summary, uninterrupted):
-  """No worse than the uninterrupted run by more than its seed-to-seed spread.
+# Run-to-run spread of the uninterrupted tiny run's final eval loss, as a share of it: 8 runs on
+# 2 loaded cores (seeds 0 and 1) ended between 4.30 and 4.81 nats, the race of 4 learner threads
+# moving it as much as the seed does. Two runs' difference alone can be 0.003 or 0.5.
+_RUN_TO_RUN = 0.05
 
-  One-sided: a restore that damaged the state would end above the band; resumed runs of this
-  tiny model end below it as often as not (the stop's flush merges every learner's last offers,
-  and the race of 4 threads on a loaded host moves the uninterrupted run's loss by up to ~0.5
-  nats from one run to the next), so a band below would only measure the host.
+
+def _assert_within_noise(summary, uninterrupted):
+  """No worse than the uninterrupted run by more than its run-to-run noise: the larger of its two
+  seeds' difference and _RUN_TO_RUN of its loss.
+
+  One-sided: a restore that damaged the state ends above the band; resumed runs of this tiny
+  model end below it as often as not (the stop's flush merges every learner's last offers), so a
+  band below would only measure the host.
   """
-  spread = abs(uninterrupted[0] - uninterrupted[1])
-  assert summary["final_eval_loss"] <= max(uninterrupted) + spread, (
+  noise = max(abs(uninterrupted[0] - uninterrupted[1]), _RUN_TO_RUN * max(uninterrupted))
+  assert summary["final_eval_loss"] <= max(uninterrupted) + noise, (
       summary["final_eval_loss"], uninterrupted)
+
+
+def _assert_tokens_add_up(summary):
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["made"] == summary["tokens_trained"] * summary["num_fragments"]
+  assert tokens["made"] == (tokens["merged"] + tokens["discarded"] + tokens["lost_at_failures"]
+                            + tokens["unmerged_at_end"]), tokens
 
 
 def test_a_4_learner_checkpoint_resumes_as_2_learners(stopped, tmp_path, uninterrupted):
@@ -116,13 +129,14 @@ def test_a_4_learner_checkpoint_resumes_as_2_learners(stopped, tmp_path, uninter
   _assert_carried_over(run, written)
   assert run.history["resumes"][-1]["elastic"]["dropped"] == [2, 3]
   dropped_steps = sum(written.cut.history["steps_made"][2:])
-  assert run.history["dropped_learner_tokens"] == dropped_steps * _TOKENS_PER_STEP > 0
+  assert [d["learner"] for d in run.history["dropped_learners"]] == [2, 3] and dropped_steps > 0
   summary = train.execute(run, progress=False)
   num_steps = run.settings.num_steps
   assert summary["learner_steps"] == [num_steps] * 2
   # The dropped learners' steps stay in the account; the kept ones made every step once.
   assert summary["tokens_trained"] == (2 * num_steps + dropped_steps) * _TOKENS_PER_STEP
   assert summary["double_merged_offers"] == 0
+  _assert_tokens_add_up(summary)
   _assert_within_noise(summary, uninterrupted)
 
 
@@ -135,6 +149,7 @@ def test_a_4_learner_checkpoint_resumes_as_8_learners(stopped, tmp_path, uninter
   summary = train.execute(run, progress=False)
   assert summary["learner_steps"] == [run.settings.num_steps] * 8
   assert summary["double_merged_offers"] == 0
+  _assert_tokens_add_up(summary)
   _assert_within_noise(summary, uninterrupted)
 
 

@@ -124,7 +124,15 @@ def adapt(restored: checkpoints.RestoredCheckpoint, found: Change,
   if old == new:
     return
   history = cut.history
-  dropped_tokens = sum(int(history["steps_made"][m]) for m in found.dropped) * tokens_per_step
+  held = {l.index: int(sum(l.counter_tokens)) for l in cut.learners}
+  # What each dropped learner did, for the token accounts: its steps, its fragment-tokens the
+  # overwrite on receive discarded, and those it held unmerged at the cut (lost with it, as a
+  # failed learner's are). A learner down at the cut holds none: its failure counted them.
+  dropped = [{"learner": m, "steps_made": int(history["steps_made"][m]),
+              "tokens": int(history["steps_made"][m]) * tokens_per_step,
+              "discarded_fragment_tokens": int(history["discarded_fragment_tokens"][m]),
+              "unmerged_fragment_tokens": held.get(m, 0)} for m in found.dropped]
+  history["dropped_learners"] = list(history.get("dropped_learners", [])) + dropped
   cut.learners = [l for l in cut.learners if l.index < new]
   for learner in cut.learners:
     if learner.data_state is not None:
@@ -141,7 +149,6 @@ def adapt(restored: checkpoints.RestoredCheckpoint, found: Change,
       values = list(history[key])[:new]
       # A joining learner has made no step of its own; `incarnations` -1 makes its first 0.
       history[key] = values + [-1 if key == "incarnations" else 0] * (new - len(values))
-  history["dropped_learner_tokens"] = int(history.get("dropped_learner_tokens", 0)) + dropped_tokens
   if cut.syncer is not None:
     cut.syncer = {"arrays": cut.syncer["arrays"], "json": _syncer_json(cut.syncer["json"], new)}
 

@@ -46,8 +46,8 @@ from decoupled_diloco.runtime import checkpoint_faults
 from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import device_share
-from decoupled_diloco.runtime import elastic_restore
 from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import elastic_restore
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import goodput as goodput_lib
 from decoupled_diloco.runtime import injector as injector_lib
@@ -966,7 +966,7 @@ class _Checkpointer:
         "train_seconds": base["train_seconds"] + train_seconds,
         "wall_seconds": base["wall_seconds"] + time.perf_counter() - self._started,
         "resumes": list(base["resumes"]),
-        "dropped_learner_tokens": base.get("dropped_learner_tokens", 0),
+        "dropped_learners": list(base.get("dropped_learners", ())),
         "absent_data": absent_data,
         "time_accounting": goodput_lib.whole_run(
             run, started_at=run.started_at, ended_at=time.monotonic(), final=False).to_json(),
@@ -1270,7 +1270,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "num_fragments": len(run.fragments),
       # Learners an elastic restore dropped count with the steps they made before it.
       "tokens_trained": int(np.dot(steps_made, tokens_per_step))
-                        + int(history.get("dropped_learner_tokens", 0)),
+                        + sum(d["tokens"] for d in history.get("dropped_learners", ())),
       "final_eval_loss": evals[-1]["eval_loss"],  # nats per token
       # On the validation split (config.data.validation_fraction; None without one).
       "final_validation_loss": evals[-1].get("validation_loss"),
@@ -1415,15 +1415,20 @@ def _fault_summary(run: Run, tape, incarnations, steps_made,
       fault.update({k: v for k, v in (healed[0] if healed else {}).items()
                     if k not in ("learner", "step", "error")})
   num_fragments = max(len(run.fragments), 1)
+  # Learners an elastic restore dropped (runtime/elastic_restore.py): what they made before it,
+  # the share the overwrite discarded, and what they held unmerged, lost with them.
+  dropped = history.get("dropped_learners", ())
   # Every token a learner trained on reaches each fragment of Theta through a merge, or is
   # discarded by an overwrite on receive, lost with a failed learner, or still unmerged at the end:
   # made = merged + discarded + lost + unmerged, per fragment, summed (tests check the equality).
   accounting = {
-      "made": int(np.dot(steps_made, tokens_per_step) * num_fragments),
+      "made": int((np.dot(steps_made, tokens_per_step) + sum(d["tokens"] for d in dropped))
+                  * num_fragments),
       "merged": int(sum(sum(r["tokens"]) for r in tape_lib.installed(tape))),
       "discarded": int(sum(history["discarded_fragment_tokens"]) +
-                       sum(l.discarded_fragment_tokens for l in incarnations)),
-      "lost_at_failures": int(lost),
+                       sum(l.discarded_fragment_tokens for l in incarnations) +
+                       sum(d["discarded_fragment_tokens"] for d in dropped)),
+      "lost_at_failures": int(lost + sum(d["unmerged_fragment_tokens"] for d in dropped)),
       "unmerged_at_end": int(sum(l.counters().tokens.sum() for l in run.learners
                                  if l not in incarnations[len(run.learners):])),
   }
