@@ -183,3 +183,15 @@ def test_the_restore_line_says_what_changed():
   assert "learners 2, 3 dropped" in elastic_restore.Change(4, 2, ((2, 1),) * 4,
                                                            ((2, 1),) * 2).describe()
   assert not elastic_restore.Change(4, 4, ((2, 1),) * 4, ((2, 1),) * 4)
+
+
+def test_a_lock_step_checkpoint_resumes_on_another_number_of_learners(tmp_path):
+  """DiLoCo's barrier takes the new count: every round waits for the learners there are now."""
+  finished = train.execute(train.build(_settings(tmp_path, mode="diloco", num_steps=12)),
+                           progress=False)
+  assert finished["learner_steps"] == [12] * 4
+  summary = train.execute(train.build(_settings(tmp_path, mode="diloco", num_learners=2)),
+                          progress=False)
+  assert summary["learner_steps"] == [24, 24]
+  assert summary["tokens_trained"] == (4 * 12 + 2 * 12) * _TOKENS_PER_STEP
+  _assert_tokens_add_up(summary)
