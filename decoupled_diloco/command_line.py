@@ -23,7 +23,7 @@ HELP_CONFIG = flags.DEFINE_bool("help_config", False, "List every config field w
                                 "a one-line description, and exit.")
 
 
-def _override_names(argv: list[str]) -> list[str]:
+def override_names(argv: list[str]) -> list[str]:
   """The dotted fields that --config.a.b=v (or -config.a.b v, --noconfig.a.b) overrides."""
   names = []
   for arg in argv[1:]:
@@ -77,7 +77,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     # ml_collections raises these, naming neither the flag nor the config, for an override of a
     # field the config does not have.
     known = settings.config_fields()
-    unknown = [name for name in _override_names(argv) if name not in known]
+    unknown = [name for name in override_names(argv) if name not in known]
     if not unknown:
       raise
     raise errors.InputError(f"Invalid config: {settings.unknown_field_error(unknown[0])}") from err

@@ -20,6 +20,7 @@ from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import quiet_logs
+from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import train
 
 # What a start-up failure's line begins with; any other input error is "Invalid config".
@@ -46,7 +47,12 @@ def main(argv):
     print(command_line.fields_listing())
     return 0
   try:
-    run_settings = settings.validate(command_line.CONFIG.value)
+    # A replay takes every field the command line does not set from its recording.
+    config = replay_config.with_recording(command_line.CONFIG.value,
+                                          command_line.override_names(sys.argv))
+    run_settings = settings.validate(config)
+  except event_tape.TapeError as err:
+    raise errors.InputError(f"Cannot replay: {err}") from err
   except ValueError as err:
     raise errors.InputError(f"Invalid config: {err}") from err
   workdir_existed = os.path.exists(run_settings.workdir)

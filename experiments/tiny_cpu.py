@@ -83,8 +83,8 @@ def get_config() -> ml_collections.ConfigDict:
   # took from it, in order, and the faults and checkpoints (runtime/event_tape.py).
   config.tape = True
   # "" = train | the workdir of a recorded run (config.tape=True): rerun its tape with no race,
-  # bit for bit; with other merge.*, outer.* or compression.* settings, a counterfactual replay
-  # on the same arrival pattern.
+  # bit for bit, with its recorded config (every field the command line does not set); with other
+  # merge.*, outer.* or compression.* settings, a counterfactual replay on the same arrival pattern.
   config.replay = ""
 
   # threads: every learner a thread of this process | ray: every learner a process of its own, a

@@ -1,10 +1,14 @@
 """Stop a run with SIGTERM, resume it, and compare it with the same run uninterrupted.
 
   .venv/bin/python scripts/bench_resume.py [--config=experiments/tiny_cpu.py] [--stop_step=200]
+  # An elastic restore: the 4-learner run's checkpoint resumed as 2 learners.
+  .venv/bin/python scripts/bench_resume.py --resume_flag=--config.num_learners=2 \
+      --out=results/resume_elastic_2.json
 
 Runs three processes as a user would (`python -m decoupled_diloco.main`): the whole run; the same
 run stopped by SIGTERM once a learner has logged `--stop_step`; and that run started again with
-`--config.restore=latest`. Prints and writes `results/resume.json`: final eval loss of both, their
+`--config.restore=latest` (and every `--resume_flag`: another number of learners or mesh shape is
+an elastic restore, runtime/elastic_restore.py; `--flag` goes to all three runs). Prints and writes `results/resume.json`: final eval loss of both, their
 ratio, tokens trained, double merges, the step the checkpoint was cut at.
 """
 
@@ -23,6 +27,10 @@ from absl import flags
 _CONFIG = flags.DEFINE_string("config", "experiments/tiny_cpu.py", "Experiment config file.")
 _STOP_STEP = flags.DEFINE_integer("stop_step", 200, "SIGTERM once a learner logged this step.")
 _OUT = flags.DEFINE_string("out", "results/resume.json", "Where the figures go.")
+_FLAGS = flags.DEFINE_multi_string("flag", [], "A --config.a.b=v override for all three runs.")
+_RESUME_FLAGS = flags.DEFINE_multi_string(
+    "resume_flag", [], "A --config.a.b=v override for the resumed run only (e.g. "
+    "--config.num_learners=2: an elastic restore).")
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _KEYS = ("final_eval_loss", "tokens_trained", "learner_steps", "double_merged_offers",
@@ -31,7 +39,7 @@ _KEYS = ("final_eval_loss", "tokens_trained", "learner_steps", "double_merged_of
 
 def _command(workdir: str, *extra: str) -> list[str]:
   return [sys.executable, "-m", "decoupled_diloco.main", f"--config={_CONFIG.value}",
-          f"--config.workdir={workdir}", *extra]
+          f"--config.workdir={workdir}", *_FLAGS.value, *extra]
 
 
 def _logged_step(workdir: str) -> int:
@@ -60,10 +68,12 @@ def main(argv):
   code = process.wait()
   if code != 128 + signal.SIGTERM:
     raise SystemExit(f"the stopped run exited with {code}, not {128 + signal.SIGTERM}")
-  subprocess.run(_command(stopped, "--config.restore=latest"), cwd=_ROOT, check=True)
+  subprocess.run(_command(stopped, "--config.restore=latest", *_RESUME_FLAGS.value), cwd=_ROOT,
+                 check=True)
   a, b = _summary(whole), _summary(stopped)
   result = {
-      "config": _CONFIG.value, "stop_step": _STOP_STEP.value,
+      "config": _CONFIG.value, "stop_step": _STOP_STEP.value, "flags": _FLAGS.value,
+      "resume_flags": _RESUME_FLAGS.value, "elastic": b["resumes"][0].get("elastic"),
       "resumed_from_clock": b["resumes"][0]["clock"],
       "uninterrupted": {k: a[k] for k in _KEYS},
       "stopped_and_resumed": {k: b[k] for k in _KEYS},

@@ -127,6 +127,22 @@ def test_iterator_state_restores_the_next_batch_across_epochs(random_tokens):
     np.testing.assert_array_equal(got["targets"], batch["targets"])
 
 
+@pytest.mark.parametrize("shard_index, old, new", [(0, 4, 2), (1, 4, 2), (3, 4, 8), (1, 2, 4)])
+def test_a_position_moved_to_another_shard_count_keeps_the_windows_read(random_tokens, shard_index,
+                                                                          old, new):
+  """An elastic restore (runtime/elastic_restore.py): a learner that read k batches of shard i of
+  `old` goes on with the batch a fresh loader of shard i of `new` gives after k batches."""
+  before = iter(_loader(random_tokens, num_shards=old, shard_index=shard_index, seed=3))
+  fresh = iter(_loader(random_tokens, num_shards=new, shard_index=shard_index, seed=3))
+  for _ in range(5):
+    next(before)
+    next(fresh)
+  moved = iter(_loader(random_tokens, num_shards=new, shard_index=shard_index, seed=3))
+  moved.set_state(data.reshard_position(before.get_state(), shard_index=shard_index,
+                                        old_num_shards=old, new_num_shards=new))
+  np.testing.assert_array_equal(next(moved)["inputs"], next(fresh)["inputs"])
+
+
 def test_eval_batches_are_fixed_and_drawn_from_the_held_out_tail(random_tokens):
   train, evals = data.split_tokens(random_tokens, 0.2)
   first = data.make_eval_batches(evals, seq_len=SEQ_LEN, batch_size=4, max_batches=3)

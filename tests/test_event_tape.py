@@ -8,8 +8,12 @@ import os
 import pytest
 
 from conftest import tiny_settings
+from decoupled_diloco import command_line
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import train
+from experiments import tiny_cpu
 
 # K = 1, the grace window on, learner 3 twice as slow as the others, learner 1 crashing before
 # its step 10 and rejoining from a peer's state: a race worth replaying.
@@ -109,10 +113,70 @@ def test_a_counterfactual_replay_under_average_ends_with_other_parameters(record
 
 def test_a_replay_with_other_model_settings_is_refused_naming_the_field(recorded, tmp_path):
   recording, _ = recorded
-  with pytest.raises(event_tape.TapeError, match="config.model.mlp_dim=64 there, 128 here"):
+  with pytest.raises(event_tape.TapeError,
+                     match="config.model.mlp_dim=128 cannot change in a replay: the recording has 64"):
     _replay(tmp_path, recording, model__mlp_dim=128)
   # Refused before the run was built (nothing compiled, no metrics opened).
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _command_line_replay(recording, *args):
+  """What main does with `--config=experiments/tiny_cpu.py --config.replay=recording *args`: the
+  experiment file's config, the command line's fields on top, the recording's for the rest."""
+  argv = ["main", "--config=experiments/tiny_cpu.py", f"--config.replay={recording}", *args]
+  config = tiny_cpu.get_config()
+  config.replay = recording
+  for arg in args:
+    name, value = arg[len("--config."):].split("=", 1)
+    config.update_from_flattened_dict({name: value if name in ("workdir", "merge.rule",
+                                                               "compilation_cache_dir")
+                                       else int(value)})
+  return settings_lib.validate(replay_config.with_recording(config, command_line.override_names(argv)))
+
+
+def test_a_replay_given_only_the_recording_reruns_it_bit_for_bit(recorded, tmp_path):
+  recording, summary = recorded
+  # The session's compilation cache, not a cold one in the replay's workdir.
+  settings = _command_line_replay(recording, f"--config.workdir={tmp_path}",
+                                  "--config.compilation_cache_dir=none")
+  assert settings.num_steps == 24 and settings.model.embed_dim == 32  # the recording's, not the file's
+  replayed = train.replay(train.build(settings), progress=False)
+  assert replayed["replay_exact"] and replayed["replay_counterfactual"] == []
+  assert replayed["params_sha256"] == summary["params_sha256"]
+  assert replayed["learner_params_sha256"] == summary["learner_params_sha256"]
+  assert replayed["final_eval_loss"] == summary["final_eval_loss"]
+
+
+def test_an_override_on_a_replay_is_a_counterfactual_listed_with_both_values(recorded, tmp_path):
+  recording, summary = recorded
+  settings = _command_line_replay(recording, f"--config.workdir={tmp_path}",
+                                  "--config.compilation_cache_dir=none", "--config.merge.rule=average")
+  replayed = train.replay(train.build(settings), progress=False)
+  assert not replayed["replay_exact"]
+  recorded_rule = event_tape.load(recording).config["merge.rule"]
+  assert replayed["replay_counterfactual"] == [
+      {"field": "merge.rule", "recorded": recorded_rule, "replayed": "'average'"}]
+  assert replayed["merges"] == summary["merges"]
+  with open(os.path.join(tmp_path, "summary.json"), encoding="utf-8") as f:
+    assert json.load(f)["replay_counterfactual"][0]["field"] == "merge.rule"
+
+
+def test_an_override_a_replay_cannot_follow_is_refused_naming_the_field(recorded, tmp_path):
+  recording, _ = recorded
+  settings = _command_line_replay(recording, f"--config.workdir={tmp_path}",
+                                  "--config.model.mlp_dim=128")
+  with pytest.raises(event_tape.TapeError, match=r"^config.model.mlp_dim=128 cannot change in a "
+                                                 r"replay: the recording has 64"):
+    train.build(settings)
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_replay_without_a_workdir_writes_next_to_the_recording(recorded):
+  recording, _ = recorded
+  settings = _command_line_replay(recording)
+  assert settings.workdir == os.path.normpath(recording) + "_replay"
+  # The replay's own fields keep the file's values: not the recording's checkpoints or faults.
+  assert settings.checkpoint.dir.startswith(settings.workdir) and not settings.chaos.enabled
 
 
 def test_replay_settings_are_validated(tmp_path):

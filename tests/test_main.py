@@ -81,3 +81,21 @@ def test_a_run_resumes_from_its_checkpoint_in_a_new_process(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert [r["clock"] for r in summary["resumes"]] == [2]
   assert summary["tokens_trained"] == 2 * 4 * 16 * 128  # steps x (learners x batch) x seq_len
+
+
+@pytest.mark.slow
+def test_a_replay_needs_only_the_recording(tmp_path):
+  """`--config.replay=WORKDIR` alone: the recording's overrides come from its tape, the replay
+  writes beside it, and Theta ends bit for bit equal (runtime/replay_config.py)."""
+  recording = tmp_path / "recorded"
+  tiny = ("--config.num_steps=8", "--config.inner.warmup_steps=2", "--config.model.num_layers=1",
+          "--config.model.embed_dim=32", "--config.model.num_heads=2", "--config.model.head_dim=16",
+          "--config.model.mlp_dim=64", "--config.model.max_seq_len=32", "--config.data.seq_len=32",
+          "--config.data.batch_size=4", "--config.eval_batches=1", "--config.sync.num_fragments=2",
+          "--config.sync.period=2", "--config.sync.overlap=1")
+  first = _main(f"--config.workdir={recording}", *tiny)
+  assert first.returncode == 0, first.stderr[-2000:]
+  replayed = _main(f"--config.replay={recording}")
+  assert replayed.returncode == 0, replayed.stderr[-2000:]
+  summary = json.loads((tmp_path / "recorded_replay" / "summary.json").read_text())
+  assert summary["replay_exact"] and summary["params_equal_to_recording"]

@@ -287,7 +287,10 @@ def test_step_noise_spreads_each_learners_step_times_by_its_own_draws(tmp_path):
   """config.learner_step_noise_s: every step sleeps U[0, 2 x noise) more, a stream per learner.
   Fitted within one run, so whatever the host's load: a learner's step times follow its own
   draws (a second more sleep, about a second more step) and none of another learner's."""
-  noise, steps = 0.05, 24
+  # Draws of U[0, 0.2): big beside a loaded host's jitter (a step's own time varied by ~0.05 s
+  # with both cores busy), so the own-draw correlation stands well clear of the chance ones
+  # (about 0.2 with 22 steps); at U[0, 0.1) another learner's draws came out ahead once.
+  noise, steps = 0.1, 24
   run, _ = _run(tmp_path, num_steps=steps, learner_step_noise_s=noise)
   sleeps = [_sleeps(learner, noise, steps) for learner in run.learners]
   for m, learner in enumerate(run.learners):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import json
 import math
 import os
 from typing import Any
@@ -280,6 +281,35 @@ def make_train_loader(tokens: np.ndarray | grain.sources.RandomAccessDataSource,
       worker_count=0,
       read_options=_READ_OPTIONS,
   )
+
+
+def reshard_position(state: bytes, *, shard_index: int, old_num_shards: int,
+                     new_num_shards: int) -> bytes:
+  """A train loader's iterator state (`get_state()` of `make_train_loader`'s iterator) moved from
+  shard `shard_index` of `old_num_shards` to the same shard index of `new_num_shards`, keeping
+  how many windows the learner has read (a job checkpoint restored onto another number of
+  learners: runtime/elastic_restore.py).
+
+  grain stores the position as the last global record index seen, which depends on the shard
+  count (shard i of n reads records i, i + n, i + 2n, ...): its local count is recovered with the
+  old count and written back with the new one. The learner then reads its new shard's shuffled
+  order from the same count on.
+  """
+  values = json.loads(state)
+  if values.get("worker_count", 0) != 0:
+    raise ValueError(f"a loader state with worker_count={values['worker_count']} (this module's "
+                     "loaders read in the learner's thread, worker_count=0)")
+  last_seen = int(values["last_seen_indices"]["0"])
+  read = (last_seen + old_num_shards - shard_index) // old_num_shards
+  values["last_seen_indices"] = {"0": shard_index - new_num_shards + read * new_num_shards}
+  # grain checks the state's sampler against the loader's by repr: it names the shard count.
+  old_shards = f"shard_index={shard_index}, shard_count={old_num_shards},"
+  if old_shards not in values["sampler"]:
+    raise ValueError(f"the loader state's sampler {values['sampler']!r} is not shard "
+                     f"{shard_index} of {old_num_shards}")
+  values["sampler"] = values["sampler"].replace(
+      old_shards, f"shard_index={shard_index}, shard_count={new_num_shards},")
+  return json.dumps(values).encode()
 
 
 def make_eval_batches(tokens: np.ndarray | grain.sources.RandomAccessDataSource, *, seq_len: int, batch_size: int, max_batches: int

@@ -48,6 +48,11 @@ _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
                "syncer.num_workers", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
                "profile_steps", "compilation_cache_dir", "tape", "replay")
+# Fields a resumed run may change by an elastic restore (runtime/elastic_restore.py): how many
+# learners there are and the shape of each one's mesh; with another number of learners, the
+# quorum too (it is bounded by it).
+ELASTIC = ("num_learners", "learner_mesh_shapes")
+_WITH_NUM_LEARNERS = ("sync.quorum",)
 _JOB, _SYNCER = "job", "syncer"
 _COUNTERS = ("since", "counter_steps", "counter_tokens", "anchor_versions")
 
@@ -102,6 +107,9 @@ class RestoredCheckpoint:
   cut: JobCut
   path: str
   skipped: list[dict[str, Any]]  # newer checkpoints that did not read back, with the reason
+  # The fingerprint of the run that wrote it: where an elastic restore reads the learners and
+  # meshes it was written with.
+  fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _keyed(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -254,8 +262,11 @@ class Checkpoints:
 
   def _check_fingerprint(self, meta: dict[str, Any], path: str) -> None:
     theirs = meta.get("fingerprint", {})
+    elastic = ELASTIC
+    if theirs.get("num_learners") != self._fingerprint.get("num_learners"):
+      elastic += _WITH_NUM_LEARNERS
     differ = sorted(k for k in set(theirs) | set(self._fingerprint)
-                    if theirs.get(k) != self._fingerprint.get(k))
+                    if theirs.get(k) != self._fingerprint.get(k) and k not in elastic)
     if differ:
       shown = "; ".join(f"config.{k}={theirs.get(k, '(absent)')} there, "
                         f"{self._fingerprint.get(k, '(absent)')} here" for k in differ[:4])
@@ -285,7 +296,7 @@ class Checkpoints:
     for step in candidates:
       path = os.path.join(self.directory, kind, str(step))
       try:
-        cut = self._read(kind, step, path)
+        cut, written_by = self._read(kind, step, path)
       except CheckpointError:
         raise
       except Exception as err:  # pylint: disable=broad-except
@@ -297,13 +308,13 @@ class Checkpoints:
       if skipped:
         logging.warning("restoring %s instead of the newer %s", path,
                         ", ".join(s["path"] for s in skipped))
-      return RestoredCheckpoint(cut, path, skipped)
+      return RestoredCheckpoint(cut, path, skipped, written_by)
     if skipped:
       raise CheckpointError(f"no {kind} checkpoint in {self.directory} reads back whole: " +
                             "; ".join(f"{s['path']}: {s['reason'][:200]}" for s in skipped))
     return None
 
-  def _read(self, kind: str, number: int, path: str) -> JobCut:
+  def _read(self, kind: str, number: int, path: str) -> tuple[JobCut, dict[str, str]]:
     restored = self._manager(kind).restore(number, args=ocp.args.Composite(
         arrays=ocp.args.StandardRestore(), data=ocp.args.JsonRestore(),
         meta=ocp.args.JsonRestore()))
@@ -328,7 +339,7 @@ class Checkpoints:
     syncer = None
     if meta.get("syncer") is not None:
       syncer = {"arrays": arrays["syncer"], "json": meta["syncer"]}
-    return JobCut(meta["clock"], learners, syncer, meta.get("history", {}))
+    return JobCut(meta["clock"], learners, syncer, meta.get("history", {})), meta["fingerprint"]
 
 
 def locate(restore: str, directory: str) -> tuple[str, int | None]:

@@ -305,11 +305,12 @@ def check_replayable(tape: Tape, now_settings: Mapping[str, str]) -> dict[str, l
   it computes differ); else `changed_fields`. `train.build` asks before anything compiles."""
   changed = changed_fields(tape.config, now_settings)
   if changed["structural"]:
-    shown = "; ".join(f"config.{k}={tape.config.get(k, '(absent)')} there, "
-                      f"{now_settings.get(k, '(absent)')} here" for k in changed["structural"][:4])
-    raise TapeError(f"config.replay: the recorded run had other settings that shape what it "
-                    f"computes: {shown}. Replay with the recording's experiment; only merge.*, "
-                    "outer.* and compression.* may change (a counterfactual replay)")
+    first, *others = changed["structural"]
+    also = f" (also {', '.join('config.' + k for k in others[:4])})" if others else ""
+    raise TapeError(f"config.{first}={now_settings.get(first, '(absent)')} cannot change in a "
+                    f"replay: the recording has {tape.config.get(first, '(absent)')}, and it shapes "
+                    f"what the run computes{also}. Only merge.*, outer.* and compression.* may "
+                    "differ (a counterfactual replay); leave the rest to the recording")
   return changed
 
 

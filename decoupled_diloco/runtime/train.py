@@ -47,6 +47,7 @@ from decoupled_diloco.runtime import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime import device_memory
 from decoupled_diloco.runtime import device_share
 from decoupled_diloco.runtime import devices as devices_lib
+from decoupled_diloco.runtime import elastic_restore
 from decoupled_diloco.runtime import event_tape
 from decoupled_diloco.runtime import goodput as goodput_lib
 from decoupled_diloco.runtime import injector as injector_lib
@@ -58,6 +59,7 @@ from decoupled_diloco.runtime import memory_fit
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
 from decoupled_diloco.runtime import ray_syncer
+from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.runtime import syncer_keeper as keeper_lib
@@ -114,8 +116,10 @@ class Interrupted(Exception):
 
 
 def _open_checkpoints(settings: settings_lib.RunSettings
-                      ) -> tuple[checkpoints_lib.Checkpoints, checkpoints_lib.RestoredCheckpoint | None]:
-  """The run's checkpoint directory, and the checkpoint it resumes from (config.restore).
+                      ) -> tuple[checkpoints_lib.Checkpoints, checkpoints_lib.RestoredCheckpoint | None,
+                                 elastic_restore.Change | None]:
+  """The run's checkpoint directory, the checkpoint it resumes from (config.restore), and what
+  the restore changes in learners and meshes (runtime/elastic_restore.py).
 
   Reads before anything compiles, so a missing or foreign checkpoint fails at once.
   """
@@ -132,15 +136,22 @@ def _open_checkpoints(settings: settings_lib.RunSettings
           f"config.restore='none' but {ck.dir} holds checkpoints {target.steps()}: a fresh run "
           f"would mix with them. Use another config.workdir or config.checkpoint.dir, remove "
           f"them, or resume (config.restore=auto)")
-    return target, None
+    return target, None, None
   if settings.restore == "auto" and not source.steps():
-    return target, None
+    return target, None, None
   restored = source.restore_job(number)
   if restored is None:
     raise checkpoints_lib.CheckpointError(
         f"config.restore={settings.restore!r}: no checkpoint in {source_dir}")
   logging.info("resuming from %s (clock %d)", restored.path, restored.cut.clock)
-  return target, restored
+  elastic = elastic_restore.change(restored, settings)
+  if elastic:
+    # One batch size for all learners: data.learner_batch_sizes, per learner, is in the
+    # fingerprint and cannot change with their number.
+    elastic_restore.adapt(restored, elastic, settings.learner_batch_size * settings.data.seq_len)
+    logging.info(elastic.describe(peer=max(restored.cut.learners, key=lambda c: c.step).index
+                                  if restored.cut.learners else None))
+  return target, restored, elastic
 
 
 def build(settings: settings_lib.RunSettings, *,
@@ -170,12 +181,13 @@ def build(settings: settings_lib.RunSettings, *,
   devices_lib.use_platform(settings.devices.platform)
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   _use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
-  saver, restored = _open_checkpoints(settings)
+  saver, restored, elastic = _open_checkpoints(settings)
   history = job_state.empty_history(settings.num_learners)
   if restored is not None:
     history.update(restored.cut.history)
     history["resumes"] = list(history["resumes"]) + [
-        {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped}]
+        {"from": restored.path, "clock": restored.cut.clock, "skipped": restored.skipped,
+         **({"elastic": elastic.to_json()} if elastic else {})}]
   in_processes = settings.runtime == "ray"
   # With learner processes (config.runtime=ray) this process holds the syncer and one CPU device
   # for the model's initialisation and the evaluations; each learner makes its own mesh.
@@ -274,7 +286,8 @@ def build(settings: settings_lib.RunSettings, *,
   # Late learners that have not joined yet (in a resumed run: by the checkpoint's faults).
   joined = {f["learner"] for f in history["faults"] if f["fault"] == "join"}
   held_back = tuple(m for m in settings.late_learners if m not in joined)
-  learner_cuts = _learner_cuts(restored, history, syncer, layout, held_back) if restored else {}
+  learner_cuts = _learner_cuts(restored, history, syncer, layout, held_back,
+                               elastic.joining if elastic else ()) if restored else {}
   learners = []
   supervisor_box: list[supervisor_lib.Supervisor | None] = [None]  # built after the learners
 
@@ -599,10 +612,12 @@ def learner_options(settings: settings_lib.RunSettings, index: int) -> learner_l
 
 def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[str, Any],
                   syncer: syncer_lib.Syncer | None, layout: model_lib.ParamLayout,
-                  held_back: tuple[int, ...]) -> dict[int, checkpoints_lib.LearnerCut]:
+                  held_back: tuple[int, ...], joining: tuple[int, ...] = ()
+                  ) -> dict[int, checkpoints_lib.LearnerCut]:
   """Each learner's state in the checkpoint; one absent from it (it had failed and was waiting
   for its repair when the cut was taken) rejoins from a peer's state and the syncer's Theta. A
-  late learner that had not joined yet (`held_back`) still joins at its join second."""
+  late learner that had not joined yet (`held_back`) still joins at its join second. `joining`:
+  learners the checkpoint's run did not have (an elastic restore), which start the same way."""
   cuts = {c.index: c for c in restored.cut.learners}
   absent = [m for m in range(len(history["steps_made"])) if m not in cuts and m not in held_back]
   if absent and (syncer is None or not cuts):
@@ -616,8 +631,9 @@ def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[st
     cuts[m] = job_state.rejoin_cut(m, incarnation, peer, layout.to_native(theta), theta, versions,
                                    data_state.encode() if data_state else None)
     history["incarnations"][m], history["start_steps"][m] = incarnation, peer.step
-    logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
-                 "step %d and the syncer's Theta", m, peer.index, peer.step)
+    if m not in joining:
+      logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
+                   "step %d and the syncer's Theta", m, peer.index, peer.step)
   return cuts
 
 
@@ -978,6 +994,7 @@ class _Checkpointer:
         "train_seconds": base["train_seconds"] + train_seconds,
         "wall_seconds": base["wall_seconds"] + time.perf_counter() - self._started,
         "resumes": list(base["resumes"]),
+        "dropped_learners": list(base.get("dropped_learners", ())),
         "absent_data": absent_data,
         "time_accounting": goodput_lib.whole_run(
             run, started_at=run.started_at, ended_at=time.monotonic(), final=False).to_json(),
@@ -1119,9 +1136,10 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
   settings = run.settings
   tape = event_tape.load(settings.replay)
   now = event_tape.settings_record(settings)
-  for name in event_tape.changed_fields(tape.config, now)["counterfactual"]:
-    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", name, now[name],
-                 tape.config.get(name))
+  counterfactual = replay_config.counterfactual(tape.config, now)
+  for field in counterfactual:
+    logging.info("counterfactual replay: config.%s=%s (recorded: %s)", field["field"],
+                 field["replayed"], field["recorded"])
   try:
     outcome = event_tape.replay(run, tape, now)
     final = _evaluate(run, settings.num_steps, final=True)
@@ -1135,6 +1153,8 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
       # that change nothing it computes.
       "replay_changed_fields": outcome.changed["counterfactual"],
       "replay_ignored_fields": outcome.changed["ignored"],
+      # The counterfactual fields with their values: field, recorded, replayed (reprs).
+      "replay_counterfactual": counterfactual,
       "final_eval_loss": final["eval_loss"],
       "final_validation_loss": final.get("validation_loss"),
       "final_eval_bits_per_byte": final["eval_bits_per_byte"],
@@ -1279,7 +1299,9 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "num_learners": run.settings.num_learners,
       "num_params": run.num_params,
       "num_fragments": len(run.fragments),
-      "tokens_trained": int(np.dot(steps_made, tokens_per_step)),
+      # Learners an elastic restore dropped count with the steps they made before it.
+      "tokens_trained": int(np.dot(steps_made, tokens_per_step))
+                        + sum(d["tokens"] for d in history.get("dropped_learners", ())),
       "final_eval_loss": evals[-1]["eval_loss"],  # nats per token
       # On the validation split (config.data.validation_fraction; None without one).
       "final_validation_loss": evals[-1].get("validation_loss"),
@@ -1424,15 +1446,20 @@ def _fault_summary(run: Run, tape, incarnations, steps_made,
       fault.update({k: v for k, v in (healed[0] if healed else {}).items()
                     if k not in ("learner", "step", "error")})
   num_fragments = max(len(run.fragments), 1)
+  # Learners an elastic restore dropped (runtime/elastic_restore.py): what they made before it,
+  # the share the overwrite discarded, and what they held unmerged, lost with them.
+  dropped = history.get("dropped_learners", ())
   # Every token a learner trained on reaches each fragment of Theta through a merge, or is
   # discarded by an overwrite on receive, lost with a failed learner, or still unmerged at the end:
   # made = merged + discarded + lost + unmerged, per fragment, summed (tests check the equality).
   accounting = {
-      "made": int(np.dot(steps_made, tokens_per_step) * num_fragments),
+      "made": int((np.dot(steps_made, tokens_per_step) + sum(d["tokens"] for d in dropped))
+                  * num_fragments),
       "merged": int(sum(sum(r["tokens"]) for r in tape_lib.installed(tape))),
       "discarded": int(sum(history["discarded_fragment_tokens"]) +
-                       sum(l.discarded_fragment_tokens for l in incarnations)),
-      "lost_at_failures": int(lost),
+                       sum(l.discarded_fragment_tokens for l in incarnations) +
+                       sum(d["discarded_fragment_tokens"] for d in dropped)),
+      "lost_at_failures": int(lost + sum(d["unmerged_fragment_tokens"] for d in dropped)),
       "unmerged_at_end": int(sum(l.counters().tokens.sum() for l in run.learners
                                  if l not in incarnations[len(run.learners):])),
   }
