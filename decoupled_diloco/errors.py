@@ -22,6 +22,8 @@ from typing import NoReturn
 from absl import app
 from absl import flags
 
+from decoupled_diloco.runtime import quiet_logs
+
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 128 + 2  # SIGINT's, as a shell reports a Ctrl-C
 
@@ -110,6 +112,7 @@ def run_main(main: Callable[[list[str]], object], *, argv: list[str] | None = No
       report(str(err), err.hint)
 
   def guarded(args: list[str]):
+    quiet_logs.install(flags.FLAGS.verbosity)  # the libraries' INFO only with --verbosity=1
     try:
       return main(args)
     except app.UsageError as err:  # absl's own usage mistake: unexpected positional arguments

@@ -12,14 +12,11 @@ import os
 import shutil
 import sys
 
-from absl import flags
-
 from decoupled_diloco import command_line
 from decoupled_diloco import errors
 from decoupled_diloco import settings
 from decoupled_diloco.runtime import checkpoints
 from decoupled_diloco.runtime import event_tape
-from decoupled_diloco.runtime import quiet_logs
 from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import train
 
@@ -39,7 +36,6 @@ def _remove_stub(workdir: str) -> None:
 
 
 def main(argv):
-  quiet_logs.install(flags.FLAGS.verbosity)  # the libraries' INFO only with --verbosity=1
   if len(argv) > 1:
     raise errors.InputError(f"Unexpected arguments {argv[1:]}: config overrides take the form "
                             f"--config.FIELD=VALUE")

@@ -16,6 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
+from decoupled_diloco import errors
 from decoupled_diloco.sim import bandwidth as bw
 from decoupled_diloco.sim import published
 
@@ -181,4 +182,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+from decoupled_diloco import errors
 from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 from decoupled_diloco.sim import bandwidth
 from experiments import tiny_cpu
@@ -107,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -32,6 +32,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
+from decoupled_diloco import errors
 from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -214,4 +215,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

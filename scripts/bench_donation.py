@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 
-from absl import app
 from absl import flags
+
+from decoupled_diloco import errors
 
 _CONFIG = flags.DEFINE_string("config", "experiments/tiny_cpu.py", "Experiment config file.")
 _OUT = flags.DEFINE_string("out", "results/donation.json", "Where the figures go.")
@@ -61,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

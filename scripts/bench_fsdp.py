@@ -17,8 +17,9 @@ import pathlib
 import sys
 import tempfile
 
-from absl import app
 from absl import flags
+
+from decoupled_diloco import errors
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -92,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

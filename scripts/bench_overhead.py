@@ -24,10 +24,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 
+from decoupled_diloco import errors
 from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 from experiments import tiny_cpu
 
@@ -104,4 +104,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

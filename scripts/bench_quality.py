@@ -17,10 +17,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
+from decoupled_diloco import errors
 from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -100,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

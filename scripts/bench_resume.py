@@ -21,8 +21,9 @@ import sys
 import tempfile
 import time
 
-from absl import app
 from absl import flags
+
+from decoupled_diloco import errors
 
 _CONFIG = flags.DEFINE_string("config", "experiments/tiny_cpu.py", "Experiment config file.")
 _STOP_STEP = flags.DEFINE_integer("stop_step", 200, "SIGTERM once a learner logged this step.")
@@ -91,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -20,9 +20,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
+
+from decoupled_diloco import errors
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "tiny_cpu.py"),
@@ -95,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -15,9 +15,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np
 
+from decoupled_diloco import errors
 from decoupled_diloco.sim import accounting, goodput, published
 from decoupled_diloco.sim.cluster import ClusterParams
 
@@ -175,4 +176,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -26,13 +26,13 @@ import tempfile
 import threading
 import time
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
+from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib  # pylint: disable=wrong-import-position
 from decoupled_diloco.runtime import train  # pylint: disable=wrong-import-position
 
@@ -168,4 +168,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

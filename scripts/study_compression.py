@@ -22,9 +22,9 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from absl import app  # pylint: disable=g-import-not-at-top
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
+from decoupled_diloco import errors
 from decoupled_diloco.sim import bandwidth  # pylint: disable=g-import-not-at-top
 
 _NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
@@ -105,4 +105,4 @@ def _plot(stem, stats, dp_bf16):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

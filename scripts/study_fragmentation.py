@@ -17,7 +17,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from absl import app  # pylint: disable=g-import-not-at-top
+
+from decoupled_diloco import errors
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
@@ -109,4 +110,4 @@ def _plot(stem, stats, splits):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -16,7 +16,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from absl import app  # pylint: disable=g-import-not-at-top
+
+from decoupled_diloco import errors
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
@@ -96,4 +97,4 @@ def _plot(stem, stats):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)

@@ -30,8 +30,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
+
+from decoupled_diloco import errors
 
 import study_common as sc  # pylint: disable=g-import-not-at-top
 
@@ -162,4 +163,4 @@ def _plot(stem, tried):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_main(main)
