@@ -17,6 +17,7 @@ import sys
 import jax
 import pytest
 from absl import flags
+from absl import logging as absl_logging
 
 from decoupled_diloco import config_help
 from decoupled_diloco import errors
@@ -102,8 +103,11 @@ def fixture_main_cli(monkeypatch, capsys):
     captured = capsys.readouterr()
     return exit_info.value.code, _message_lines(captured.err), captured.out
 
+  handler = absl_logging.get_absl_handler()
+  filters = list(handler.filters)
   yield call
   _reset_flags()
+  handler.filters[:] = filters  # the run's quiet_logs filter stays with its row
 
 
 @dataclasses.dataclass(frozen=True)

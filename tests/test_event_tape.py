@@ -11,7 +11,7 @@ from conftest import tiny_settings
 from decoupled_diloco import command_line
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime import event_tape
-from decoupled_diloco.runtime import replay_config
+from decoupled_diloco import replay_config
 from decoupled_diloco.runtime import train
 from experiments import tiny_cpu
 
@@ -131,7 +131,8 @@ def _command_line_replay(recording, *args):
     config.update_from_flattened_dict({name: value if name in ("workdir", "merge.rule",
                                                                "compilation_cache_dir")
                                        else int(value)})
-  return settings_lib.validate(replay_config.with_recording(config, command_line.override_names(argv)))
+  given = command_line.override_names(argv)
+  return settings_lib.validate(replay_config.with_recording(config, given))
 
 
 def test_a_replay_given_only_the_recording_reruns_it_bit_for_bit(recorded, tmp_path):

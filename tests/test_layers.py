@@ -19,7 +19,10 @@ _NOT_PURE = ("threading", "_thread", "multiprocessing", "concurrent", "queue", "
              "pickle", "logging", "absl.logging", "urllib", "http")
 _IO_BUILTINS = ("open", "print", "input")
 # The entry point and the validation it calls: the only modules that hold the raw ConfigDict.
-_READ_THE_CONFIG = ("main.py", "settings.py")
+# The entry point and its parts that run before settings.validate: the flags (--config,
+# --help_config), the fields' descriptions, a replay's recorded config under the command line's.
+_READ_THE_CONFIG = ("main.py", "settings.py", "command_line.py", "config_help.py",
+                    "replay_config.py")
 
 
 def _modules(*folders: str) -> list[pathlib.Path]:

@@ -86,7 +86,7 @@ def test_a_run_resumes_from_its_checkpoint_in_a_new_process(tmp_path):
 @pytest.mark.slow
 def test_a_replay_needs_only_the_recording(tmp_path):
   """`--config.replay=WORKDIR` alone: the recording's overrides come from its tape, the replay
-  writes beside it, and Theta ends bit for bit equal (runtime/replay_config.py)."""
+  writes beside it, and Theta ends bit for bit equal (replay_config.py)."""
   recording = tmp_path / "recorded"
   tiny = ("--config.num_steps=8", "--config.inner.warmup_steps=2", "--config.model.num_layers=1",
           "--config.model.embed_dim=32", "--config.model.num_heads=2", "--config.model.head_dim=16",

@@ -131,6 +131,13 @@ class Tape:
   events: list[dict[str, Any]]  # faults, checkpoints, absences
 
 
+def counterfactual(recorded: dict[str, str], now: dict[str, str]) -> list[dict[str, str]]:
+  """The fields a replay recomputes with, each as field, recorded value, replayed value (reprs):
+  what the log and the summary's `replay_counterfactual` list."""
+  return [{"field": name, "recorded": recorded.get(name), "replayed": now.get(name)}
+          for name in changed_fields(recorded, now)["counterfactual"]]
+
+
 def load(workdir: str) -> Tape:
   """Reads `workdir/tape.jsonl`; a tape this replay cannot follow fails, saying why."""
   path = os.path.join(workdir, TAPE_FILE)

@@ -59,7 +59,6 @@ from decoupled_diloco.runtime import memory_fit
 from decoupled_diloco.runtime import metrics as metrics_lib
 from decoupled_diloco.runtime import ray_runtime
 from decoupled_diloco.runtime import ray_syncer
-from decoupled_diloco.runtime import replay_config
 from decoupled_diloco.runtime import supervisor as supervisor_lib
 from decoupled_diloco.runtime import syncer as syncer_lib
 from decoupled_diloco.runtime import syncer_keeper as keeper_lib
@@ -1136,7 +1135,7 @@ def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
   settings = run.settings
   tape = event_tape.load(settings.replay)
   now = event_tape.settings_record(settings)
-  counterfactual = replay_config.counterfactual(tape.config, now)
+  counterfactual = event_tape.counterfactual(tape.config, now)
   for field in counterfactual:
     logging.info("counterfactual replay: config.%s=%s (recorded: %s)", field["field"],
                  field["replayed"], field["recorded"])

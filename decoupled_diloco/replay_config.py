@@ -80,13 +80,6 @@ def with_recording(config: ml_collections.ConfigDict,
   return out
 
 
-def counterfactual(recorded: dict[str, str], now: dict[str, str]) -> list[dict[str, str]]:
-  """The fields a replay recomputes with, each as field, recorded value, replayed value (reprs):
-  what the log and the summary's `replay_counterfactual` list."""
-  return [{"field": name, "recorded": recorded.get(name), "replayed": now.get(name)}
-          for name in event_tape.changed_fields(recorded, now)["counterfactual"]]
-
-
 def _has_field(config: ml_collections.ConfigDict, name: str) -> bool:
   node = config
   for part in name.split("."):
