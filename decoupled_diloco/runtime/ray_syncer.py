@@ -423,6 +423,9 @@ def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> 
   actor = ray.remote(SyncerProcess).options(
       name=name, max_restarts=-1, max_concurrency=16, num_cpus=1,
       runtime_env={"env_vars": env}).remote(settings, secret)
+  # Its process builds and compiles before it answers: the time a restarted syncer and every
+  # learner get (a plain call's 120 s ran out on a loaded 2-core host).
+  ray_runtime.wait_until_up(actor, "the syncer")
   made = RemoteSyncer(actor, secret, metrics)
   made.name = name  # another driver could look it up by this name (tests do)
   return made
