@@ -304,6 +304,10 @@ def test_a_broadcast_waits_until_the_command_holds_its_merge_s_record():
 def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
   run = train.build(_settings(tmp_path, num_steps=16))
   try:
+    # The job's processes run at the command's priority, not as Ray's background workers (15).
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, p.pid) for p in [*run.learners, run.syncer]] == \
+        [ours] * 3
     learner = run.learners[1]
     actor = learner._actor  # what another driver would get from ray.get_actor(name)
     before = learner.published.params

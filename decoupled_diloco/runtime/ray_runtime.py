@@ -72,7 +72,11 @@ from decoupled_diloco.runtime import messages
 _POLL_S = 0.2  # the longest a watcher's call waits in the learner's process for news
 _CALL_TIMEOUT_S = 120.0  # a blocking call on a learner's process (state for a rejoin or a cut)
 # Keep a local cluster on loopback (the guide's verified setting) and Ray's token auth on.
-LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# RAY_worker_niceness: Ray starts its workers at nice 15, as background work; a learner or the
+# syncer is the job itself, and at 15 it starves behind any other process of the host (under
+# load, 3% of a core each: a Ray test that takes 30 s idle took over 10 min). Each worker reads
+# it from its own environment (the job's runtime_env), on a cluster too.
+LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0"}
 
 
 class RejectedCall(Exception):
