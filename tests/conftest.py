@@ -87,6 +87,20 @@ def tiny_settings(workdir, **overrides):
   return settings.validate(config)
 
 
+class HandClock:
+  """A clock moved only by the test (syncer deadlines, a stop signal's window, a live bar's
+  interval): a deadline falls where the test puts it, however late the host runs a thread."""
+
+  def __init__(self, now=1000.0):
+    self.now = now
+
+  def __call__(self):
+    return self.now
+
+  def advance(self, seconds):
+    self.now += seconds
+
+
 def hold_repair(run, until, give_up_after_s=60.0):
   """A failed learner of `run` comes back no sooner than `until()` holds (nor than its own repair
   time): what its peers do while it is down then does not depend on how fast the host runs them.

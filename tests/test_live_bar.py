@@ -6,19 +6,12 @@ import logging as std_logging
 from absl import logging
 
 from decoupled_diloco.runtime import live_bar
+from conftest import HandClock
 
 
 class _Terminal(io.StringIO):
   def isatty(self):
     return True
-
-
-class _Clock:
-  def __init__(self):
-    self.now = 0.0
-
-  def __call__(self):
-    return self.now
 
 
 def test_a_pipe_gets_no_bar():
@@ -30,7 +23,7 @@ def test_a_pipe_gets_no_bar():
 
 
 def test_a_terminal_sees_the_step_redrawn_at_most_every_interval():
-  terminal, clock = _Terminal(), _Clock()
+  terminal, clock = _Terminal(), HandClock(now=0.0)
   bar = live_bar.LiveBar(400, stream=terminal, clock=clock, interval_s=0.5)
   try:
     bar.show(100)

@@ -3,18 +3,11 @@
 import signal
 
 from decoupled_diloco.runtime import train
-
-
-class _Clock:
-  def __init__(self):
-    self.now = 100.0
-
-  def __call__(self):
-    return self.now
+from conftest import HandClock
 
 
 def _handler():
-  clock, exits = _Clock(), []
+  clock, exits = HandClock(now=100.0), []
   return train._StopSignal(clock=clock, exit_now=exits.append), clock, exits
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from conftest import HandClock
 from conftest import default_settings
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
@@ -43,20 +44,6 @@ class Scripted:
 
   def deliver(self, broadcast):
     self.received.append(broadcast)
-
-
-class HandClock:
-  """The syncer's clock, moved only by the test: a quorum, grace or heartbeat deadline falls where
-  the test puts it, however late the host runs the syncer's thread."""
-
-  def __init__(self):
-    self.now = 1000.0
-
-  def __call__(self):
-    return self.now
-
-  def advance(self, seconds):
-    self.now += seconds
 
 
 class NotLanded(np.ndarray):
