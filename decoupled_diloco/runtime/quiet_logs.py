@@ -1,6 +1,6 @@
 """Quiet logs by default: the run's own lines, the libraries' only when something is wrong.
 
-A default run printed 1,789 lines for its 16 progress lines (issue 30, 2026-11-26): orbax logs ~50
+A default run printed 1,789 lines for its 16 progress lines (2026-11-26): orbax logs ~50
 INFO lines per checkpoint it writes (and the syncer writes one every 10 s), jax notes its cache,
 grain warns once per learner about windows it drops by design. Every library here logs through
 Python's `logging` (orbax through absl's), and absl's handler prints every record; a filter on that
