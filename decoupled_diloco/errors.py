@@ -22,7 +22,7 @@ from typing import NoReturn
 from absl import app
 from absl import flags
 
-from decoupled_diloco.runtime import quiet_logs
+from decoupled_diloco.runtime.control import quiet_logs
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 128 + 2  # SIGINT's, as a shell reports a Ctrl-C

@@ -16,8 +16,8 @@ from decoupled_diloco import command_line
 from decoupled_diloco import errors
 from decoupled_diloco import replay_config
 from decoupled_diloco import settings
-from decoupled_diloco.runtime import checkpoints
-from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime.records import checkpoints
+from decoupled_diloco.runtime.records import event_tape
 from decoupled_diloco.runtime import train
 
 # What a start-up failure's line begins with; any other input error is "Invalid config".

@@ -20,7 +20,7 @@ from absl import logging
 import ml_collections
 
 from decoupled_diloco.errors import InputError
-from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime.records import event_tape
 
 # Fields of the replay's own (prefixes end with '.'): the recording's would point the replay at
 # the recording's workdir and checkpoints, or schedule faults the tape already holds.

@@ -42,8 +42,7 @@ from decoupled_diloco.lm import documents
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import tokenizers
-from decoupled_diloco.runtime import chaos
-from decoupled_diloco.runtime import injector
+from decoupled_diloco import chaos
 
 MODES = ("decoupled", "diloco", "streaming", "dp")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -65,12 +64,12 @@ _DERIVED = {"derived": True}
 class DevicesSettings:
   platform: str  # whose devices the learners use: cpu | gpu | tpu
   num_fake_cpu_devices: int  # host devices requested before JAX starts; 0 = the real devices
-  # Consecutive learners that train on the same devices (runtime/device_share.py), their steps
+  # Consecutive learners that train on the same devices (runtime/core/device_share.py), their steps
   # interleaved: learners 0..n-1 share the first learner's devices, n..2n-1 the next ones. 1 = every
   # learner on devices of its own. Resolved to 1 in dp mode (one job over the distinct devices).
   learners_sharing_devices: int
   # Memory of one learner device the run may fill, in GB, checked before anything is placed
-  # (runtime/device_memory.py); 0 = what the device reports (none on CPU: then unchecked).
+  # (runtime/hardware/device_memory.py); 0 = what the device reports (none on CPU: then unchecked).
   memory_per_device_gb: float
   # Per learner, the TPU slice it runs on ("v5p:4x4x4"), one name for all or one per learner as
   # the config gives it; resolved to one per learner, () when none is named (and in dp mode, one
@@ -147,7 +146,7 @@ class CompressionSettings:
   broadcast: str  # syncer -> learner wire format, fp32 | bf16 (with broadcast_delta: keyframes)
   block_size: int  # values per fp32 scale of the integer formats
   # "none": every merge sends the whole Theta_p; else the format of Theta_p - R_p, the change from
-  # what the learners hold (runtime/global_model.py, the delta broadcast)
+  # what the learners hold (runtime/core/global_model.py, the delta broadcast)
   broadcast_delta: str = "none"
 
 
@@ -172,7 +171,7 @@ class DataSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ChaosSettings:
-  """Faults to inject (`runtime/chaos.py` gives the schedule's grammar)."""
+  """Faults to inject (`chaos.py` gives the schedule's grammar)."""
 
   schedule: str
   mtbf_s: float  # random crashes: mean time between failures per learner; 0 = off
@@ -189,7 +188,7 @@ class ChaosSettings:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
-  """Whole-job checkpoints (orbax) and the syncer's own, more frequent ones (`runtime/checkpoints.py`)."""
+  """Whole-job checkpoints (orbax) and the syncer's own, more frequent ones (`runtime/records/checkpoints.py`)."""
 
   every_steps: int  # a consistent cut of the whole job every this many steps of the clock; 0 = none
   dir: str  # resolved: workdir/checkpoints when the config says ""; local or gs://
@@ -212,7 +211,7 @@ class RunSettings:
   max_restarts: int  # per learner; a learner that fails once more stays down
   devices: DevicesSettings
   # threads: every learner a thread of this process | ray: every learner a process of its own
-  # (runtime/ray_runtime.py).
+  # (runtime/transport/ray_runtime.py).
   runtime: str
   ray: RaySettings
   num_learners: int  # learners that train (1 in dp mode)
@@ -242,7 +241,7 @@ class RunSettings:
   compilation_cache_dir: str | None
   # auto | always | never, as written; `donates_state` is what the run does.
   donate_state: str
-  # Write the event tape, workdir/tape.jsonl (runtime/event_tape.py): what a replay follows.
+  # Write the event tape, workdir/tape.jsonl (runtime/records/event_tape.py): what a replay follows.
   tape: bool
   # "" = train | the workdir of a recorded run: replay its tape instead of racing (exactly, or
   # under other merge / outer / compression settings: a counterfactual replay).
@@ -570,7 +569,6 @@ def _resolve_chaos(config, mode: str, num_learners: int, num_steps: int) -> Chao
       repair_s=_check_float(config, "chaos.repair_s", 0.0),
       repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
       seed=_check_int(config, "chaos.seed", 0))
-  injector.check_injected(faults)
   configured_mtbf_s = random_crashes.mtbf_s
   syncer_crashes = [f for f in faults if f.kind == "syncer_crash"]
   if syncer_crashes and mode != "decoupled":

@@ -1,7 +1,7 @@
 """Four learners on one accelerator: Decoupled DiLoCo for a researcher with a single GPU.
 
 M = 4 learners share the one device (config.devices.learners_sharing_devices = 4): each has its own
-state, thread and step, and their steps take turns on the device (runtime/device_share.py); the
+state, thread and step, and their steps take turns on the device (runtime/core/device_share.py); the
 syncer runs on the host's CPUs. `--config.mode=dp` is the baseline on the same device at the same
 tokens: one job whose batch is the four learners' together.
 

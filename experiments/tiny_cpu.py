@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   # syncer's Theta), as a scavenged slice would. E.g. (3,) with "join@learner=3,second=60".
   config.late_learners = ()
 
-  # Faults to inject, see decoupled_diloco/runtime/chaos.py and README "Failures and rejoin" for
+  # Faults to inject, see decoupled_diloco/chaos.py and README "Failures and rejoin" for
   # what each mode does with them (dp: the job restarts from its newest checkpoint). E.g.
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
   # Injected today: crash, hang, slow, nan (its parameters go NaN; the learner fails on the next
@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Random crashes: mtbf_s > 0 per learner, exponential; repairs Weibull with mean repair_s and
   # shape repair_shape (the goodput simulator's model).
   config.chaos = ml_collections.ConfigDict()
-  config.chaos.schedule = ""  # faults at given steps/seconds, ";"-separated (runtime/chaos.py); "" = none
+  config.chaos.schedule = ""  # faults at given steps/seconds, ";"-separated (chaos.py); "" = none
   config.chaos.mtbf_s = 0.0  # 0 = no random crashes
   config.chaos.repair_s = 5.0  # mean repair time of a random crash, seconds
   config.chaos.repair_shape = 0.85  # Weibull shape of the repair times
@@ -80,7 +80,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.donate_state = "auto"
   # The event tape, workdir/tape.jsonl: every merge (who took part, at which step, fingerprints of
   # the offers and of the new Theta_p), every merge a learner applied and every offer the syncer
-  # took from it, in order, and the faults and checkpoints (runtime/event_tape.py).
+  # took from it, in order, and the faults and checkpoints (runtime/records/event_tape.py).
   config.tape = True
   # "" = train | the workdir of a recorded run (config.tape=True): rerun its tape with no race,
   # bit for bit, with its recorded config (every field the command line does not set); with other
@@ -88,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.replay = ""
 
   # threads: every learner a thread of this process | ray: every learner a process of its own, a
-  # Ray actor (runtime/ray_runtime.py; decoupled mode; crash, syncer_crash and corrupt_checkpoint
+  # Ray actor (runtime/transport/ray_runtime.py; decoupled mode; crash, syncer_crash and corrupt_checkpoint
   # faults).
   config.runtime = "threads"
   config.ray = ml_collections.ConfigDict()
@@ -107,7 +107,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.devices.num_fake_cpu_devices = 9
   # Learners that share one set of devices (one GPU, one TPU host): consecutive groups of this
   # many train on the first learner's devices, each with its own state, thread and step, their
-  # steps taking turns (decoupled_diloco/runtime/device_share.py). 1 = every learner on devices
+  # steps taking turns (decoupled_diloco/runtime/core/device_share.py). 1 = every learner on devices
   # of its own; num_learners = all on the same devices (experiments/one_gpu.py).
   config.devices.learners_sharing_devices = 1
   # GB of one learner device the run may fill (train states, publications, in-flight offers, the

@@ -22,7 +22,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
 from decoupled_diloco import errors
-from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime.core import devices  # pylint: disable=g-import-not-at-top
 from decoupled_diloco.sim import bandwidth
 from experiments import tiny_cpu
 

@@ -33,7 +33,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from decoupled_diloco import errors
-from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime.core import devices  # pylint: disable=g-import-not-at-top
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CONFIG = config_flags.DEFINE_config_file("config", str(_ROOT / "experiments" / "tiny_cpu.py"),

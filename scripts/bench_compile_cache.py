@@ -12,7 +12,7 @@ invocation, the processes one after another.
 It also runs, in one process each on the warm cache, the same experiment with and without a
 learner crash (`crash@learner=1,step=2`), counting the programs JAX fetches (compiles, or reads
 from the cache) after training started: what the in-process rejoin of a learner
-(runtime/supervisor.py) compiles, if anything.
+(runtime/control/supervisor.py) compiles, if anything.
 
   python scripts/bench_compile_cache.py                  # writes results/compile_cache.json
   python scripts/bench_compile_cache.py --repeats=3      # medians of 3 of each

@@ -51,8 +51,8 @@ def main():
   from decoupled_diloco.algorithm import fragments as fragments_lib
   from decoupled_diloco.algorithm import outer
   from decoupled_diloco.lm import model as model_lib
-  from decoupled_diloco.runtime import global_model
-  from decoupled_diloco.runtime import messages
+  from decoupled_diloco.runtime.core import global_model
+  from decoupled_diloco.runtime.core import messages
   from experiments import tiny_cpu
 
   # The default experiment's settings, with this model's shape and the wire formats asked for.

@@ -28,7 +28,7 @@ from absl import flags
 from absl import logging
 
 from decoupled_diloco import errors
-from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
+from decoupled_diloco.runtime.core import devices  # pylint: disable=g-import-not-at-top
 from experiments import tiny_cpu
 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Pairs of runs (no syncer, syncer).")

@@ -8,7 +8,7 @@
 Runs three processes as a user would (`python -m decoupled_diloco.main`): the whole run; the same
 run stopped by SIGTERM once a learner has logged `--stop_step`; and that run started again with
 `--config.restore=latest` (and every `--resume_flag`: another number of learners or mesh shape is
-an elastic restore, runtime/elastic_restore.py; `--flag` goes to all three runs). Prints and writes `results/resume.json`: final eval loss of both, their
+an elastic restore, runtime/records/elastic_restore.py; `--flag` goes to all three runs). Prints and writes `results/resume.json`: final eval loss of both, their
 ratio, tokens trained, double merges, the step the checkpoint was cut at.
 """
 

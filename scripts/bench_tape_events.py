@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from decoupled_diloco.algorithm import tape as tape_lib
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 
 
 def main(workdir: str) -> None:

@@ -26,16 +26,16 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Neither imports JAX.
-from decoupled_diloco.runtime import throughput as throughput_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from decoupled_diloco.runtime.core import throughput as throughput_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _POLL_S = 0.25
 _KILL_AFTER_S = 15.0
-# "device memory: gpu 0 holds 10.61 GB of its 59.21 GB (...)", runtime/device_memory.py's log line.
+# "device memory: gpu 0 holds 10.61 GB of its 59.21 GB (...)", runtime/hardware/device_memory.py's log line.
 _PLANNED = re.compile(r"device memory: .* holds ([\d.]+) (GB|MB) of its ([\d.]+) (GB|MB)")
 
 
 def peak_flops(device_kind: str) -> float | None:
-  """Dense bf16 peak of the chip, from the runtime's table (runtime/throughput.py)."""
+  """Dense bf16 peak of the chip, from the runtime's table (runtime/core/throughput.py)."""
   return throughput_lib.peak_flops_per_s(device_kind)
 
 

@@ -1,7 +1,7 @@
 r"""One recorded run, replayed exactly and under other merge rules on the very same arrival pattern.
 
 Records a decoupled run of the given experiment (default: experiments/tiny_cpu.py, the default run),
-then replays its tape (runtime/event_tape.py): once with the recording's settings (bit for bit: the
+then replays its tape (runtime/records/event_tape.py): once with the recording's settings (bit for bit: the
 same params_sha256), once with merge.rule=average instead of rda, once with merge.weighting=uniform
 instead of tokens_sq_over_steps. Every replay follows the recorded pattern: who took part in which
 merge, from which of their steps, and when each learner applied which merge. The eval losses go
@@ -42,7 +42,7 @@ _REPLAYS = (
 def main(argv):
   del argv
   from decoupled_diloco import settings  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.runtime import devices
+  from decoupled_diloco.runtime.core import devices
   config = _CONFIG.value
   devices.request_fake_cpu_devices(config.devices.num_fake_cpu_devices)
   from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top

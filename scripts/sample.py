@@ -20,7 +20,7 @@ from absl import flags
 from decoupled_diloco import errors
 from decoupled_diloco.lm import sampling
 from decoupled_diloco.lm import tokenizers
-from decoupled_diloco.runtime import checkpoints
+from decoupled_diloco.runtime.records import checkpoints
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's config.workdir.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from decoupled_diloco.runtime import chaos
+from decoupled_diloco import chaos
 
 
 def test_every_kind_parses_with_its_keys():

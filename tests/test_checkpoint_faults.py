@@ -6,8 +6,8 @@ import time
 import pytest
 
 from conftest import tiny_settings
-from decoupled_diloco.runtime import checkpoint_faults
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.faults import checkpoint_faults
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime import train
 
 EVERY = 8

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from decoupled_diloco.runtime import checkpoints
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.records import checkpoints
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime import train
 from tests.conftest import tiny_settings
 from tests.conftest import wait_until

@@ -130,7 +130,7 @@ def test_iterator_state_restores_the_next_batch_across_epochs(random_tokens):
 @pytest.mark.parametrize("shard_index, old, new", [(0, 4, 2), (1, 4, 2), (3, 4, 8), (1, 2, 4)])
 def test_a_position_moved_to_another_shard_count_keeps_the_windows_read(random_tokens, shard_index,
                                                                           old, new):
-  """An elastic restore (runtime/elastic_restore.py): a learner that read k batches of shard i of
+  """An elastic restore (runtime/records/elastic_restore.py): a learner that read k batches of shard i of
   `old` goes on with the batch a fresh loader of shard i of `new` gives after k batches."""
   before = iter(_loader(random_tokens, num_shards=old, shard_index=shard_index, seed=3))
   fresh = iter(_loader(random_tokens, num_shards=new, shard_index=shard_index, seed=3))

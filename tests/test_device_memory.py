@@ -1,4 +1,4 @@
-"""The device-memory check of learners that share devices (runtime/device_memory.py)."""
+"""The device-memory check of learners that share devices (runtime/hardware/device_memory.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import tiny_settings
-from decoupled_diloco.runtime import device_memory
-from decoupled_diloco.runtime import device_share
+from decoupled_diloco.runtime.hardware import device_memory
+from decoupled_diloco.runtime.core import device_share
 from decoupled_diloco.runtime import train
 
 

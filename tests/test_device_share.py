@@ -15,8 +15,8 @@ from conftest import tiny_settings
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import tokenizers
-from decoupled_diloco.runtime import device_share
-from decoupled_diloco.runtime import devices
+from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import devices
 from decoupled_diloco.runtime import train
 
 _SHARED = dict(learner_mesh_shapes=((1, 1),), devices__learners_sharing_devices=4)

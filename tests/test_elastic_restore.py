@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from decoupled_diloco.errors import InputError
-from decoupled_diloco.runtime import checkpoints
-from decoupled_diloco.runtime import elastic_restore
+from decoupled_diloco.runtime.records import checkpoints
+from decoupled_diloco.runtime.records import elastic_restore
 from decoupled_diloco.runtime import train
 from tests.conftest import tiny_settings
 

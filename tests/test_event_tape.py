@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_settings
 from decoupled_diloco import command_line
 from decoupled_diloco import settings as settings_lib
-from decoupled_diloco.runtime import event_tape
+from decoupled_diloco.runtime.records import event_tape
 from decoupled_diloco import replay_config
 from decoupled_diloco.runtime import train
 from experiments import tiny_cpu

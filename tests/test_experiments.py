@@ -39,7 +39,7 @@ _BUILD_MESHES = r"""
 import json, sys
 sys.path.insert(0, {root!r})
 from decoupled_diloco import settings
-from decoupled_diloco.runtime import devices
+from decoupled_diloco.runtime.core import devices
 import importlib.util
 spec = importlib.util.spec_from_file_location("cfg", {path!r})
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
@@ -73,6 +73,6 @@ def test_tpu_reference_config_builds_its_learner_meshes(name, num_devices, shape
 
 
 def test_too_few_devices_is_a_clear_error():
-  from decoupled_diloco.runtime import devices  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime.core import devices  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="need 40 cpu devices"):
     devices.build_meshes(((4, 2),) * 5, 0, "cpu")

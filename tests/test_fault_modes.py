@@ -11,7 +11,7 @@ import pytest
 
 from conftest import hold_repair
 from conftest import tiny_settings
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime import train
 
 TOKENS_PER_STEP = 4 * 4 * 32  # dp: batch_size x num_learners sequences of seq_len

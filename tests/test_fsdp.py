@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from conftest import default_settings, tiny_settings
 from decoupled_diloco import settings
 from decoupled_diloco.lm import inner, model
-from decoupled_diloco.runtime import devices
+from decoupled_diloco.runtime.core import devices
 from decoupled_diloco.runtime import train
 from experiments import tiny_cpu
 

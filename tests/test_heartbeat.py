@@ -40,7 +40,7 @@ def test_a_report_takes_an_absent_learner_back():
 
 def _turn_taking_reports(n: int, step_s: float, steps: int, hung: tuple[int, int] | None = None):
   """Step reports (time, learner, step time) of n learners whose steps take turns on one device
-  (runtime/device_share.py): turns go first come, first served, the device runs one step at a
+  (runtime/core/device_share.py): turns go first come, first served, the device runs one step at a
   time, and a learner asks again as soon as its step has left the device, so the device runs the
   learners round and round. A learner measures a step from one completed step to the next and
   reports it once its next step has left the device (learner._train). `hung` = (learner, step):

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import tiny_settings
 from decoupled_diloco.algorithm import compression
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime import train
 
 P = 1  # the fragment the tests sync

@@ -21,8 +21,8 @@ from conftest import tiny_settings
 from conftest import wait_until
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.lm import inner
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime import train
 
 P = 1

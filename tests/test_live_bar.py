@@ -5,7 +5,7 @@ import logging as std_logging
 
 from absl import logging
 
-from decoupled_diloco.runtime import live_bar
+from decoupled_diloco.runtime.control import live_bar
 from conftest import HandClock
 
 

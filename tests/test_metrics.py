@@ -3,7 +3,7 @@
 import json
 import os
 
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 
 
 def test_a_resumed_writer_goes_on_after_the_interrupted_runs_last_record(tmp_path):

@@ -10,9 +10,9 @@ import threading
 import time
 
 from conftest import tiny_settings
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import network as network_lib
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import network as network_lib
 from decoupled_diloco.runtime import train
 
 M, S, SECONDS = 1, 6, 1.5  # partition@learner=M,step=S,seconds=SECONDS

@@ -10,7 +10,7 @@ import sys
 from absl import logging as absl_logging
 
 import decoupled_diloco
-from decoupled_diloco.runtime import quiet_logs
+from decoupled_diloco.runtime.control import quiet_logs
 
 _OWN = os.path.join(os.path.dirname(decoupled_diloco.__file__), "runtime", "train.py")
 _SITE = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import ray_runtime
-from decoupled_diloco.runtime import ray_syncer
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.transport import ray_runtime
+from decoupled_diloco.runtime.transport import ray_syncer
 from decoupled_diloco.runtime import train
 from tests.conftest import tiny_settings
 
@@ -110,7 +110,7 @@ def test_a_learner_and_the_syncer_killed_by_hand_are_restarted_and_training_goes
   assert summary["double_merged_offers"] == 0 and summary["merges"] >= 4
   accounting = summary["fragment_token_accounting"]
   # Every merge the learners hold is on the command's tape, also the ones made just before the
-  # syncer's process died (runtime/ray_syncer.py's _TapeGate; without it a CI run found made
+  # syncer's process died (runtime/transport/ray_syncer.py's _TapeGate; without it a CI run found made
   # 42496 vs 42112 accounted: three fragment-steps in no bucket).
   assert accounting["made"] == sum(accounting[k] for k in (
       "merged", "discarded", "lost_at_failures", "unmerged_at_end")), accounting

@@ -16,7 +16,7 @@ from conftest import TEST_XLA_FLAGS, tiny_settings
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import sampling
 from decoupled_diloco.lm import tokenizers
-from decoupled_diloco.runtime import checkpoints
+from decoupled_diloco.runtime.records import checkpoints
 from decoupled_diloco.runtime import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -182,7 +182,7 @@ def test_measured_bytes_per_step_match_the_bandwidth_model(tmp_path):
 def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_path):
   """Stop a learner mid-run, restart a new one from its snapshot (train state, data position,
   counters): it ends exactly where an uninterrupted learner ends."""
-  from decoupled_diloco.runtime import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime.core import learner as learner_lib  # pylint: disable=g-import-not-at-top
 
   reference = train.build(tiny_settings(tmp_path / "reference", mode="dp"))
   train.execute(reference, progress=False)

@@ -13,7 +13,7 @@ import pytest
 from conftest import hold_repair
 from conftest import tiny_settings
 from conftest import wait_until
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime import train
 
 

@@ -18,10 +18,10 @@ from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import tape as tape_lib
-from decoupled_diloco.runtime import global_model as global_model_lib
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import syncer as syncer_lib
+from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.settings import SyncSettings
 
 NOTHING, STALE = messages.Answer.NOTHING, messages.Answer.STALE
@@ -657,7 +657,7 @@ def test_a_restarted_syncer_never_merges_an_offer_anchored_before_the_theta_it_t
 
 def test_a_restarted_syncer_marks_the_merges_its_predecessor_took_down_with_it_lost():
   """The lost syncer put version 1 of fragments p and q on its tape; learner 0 applied q's, but
-  the process died before p's broadcasts left (runtime/ray_syncer.py sends them once the
+  the process died before p's broadcasts left (runtime/transport/ray_syncer.py sends them once the
   command's copy of the tape has the record). The restarted syncer holds p at version 0: p's
   record is marked lost, so the tape's audits and token account leave it out (a Ray run's
   hand-kill test once counted it a double merge when the same steps were merged again)."""

@@ -1,4 +1,4 @@
-"""Tokens/s per device and MFU (runtime/throughput.py): the arithmetic, the peak table, and what a
+"""Tokens/s per device and MFU (runtime/core/throughput.py): the arithmetic, the peak table, and what a
 run reports in its progress line and summary.json; the profiler window (config.profile_steps)."""
 
 import glob
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_settings
 from decoupled_diloco.lm import flops
-from decoupled_diloco.runtime import throughput
+from decoupled_diloco.runtime.core import throughput
 from decoupled_diloco.runtime import train
 
 

@@ -1,5 +1,5 @@
 """Learner programs compiled by the TPU compiler for real TPU topologies, on this CPU host
-(runtime/tpu_aot.py): they fit, their FLOPs are the analytic count, and a learner too large for its
+(runtime/hardware/tpu_aot.py): they fit, their FLOPs are the analytic count, and a learner too large for its
 chip is refused with the numbers, as a TPU run refuses it at start-up."""
 
 import os
@@ -15,10 +15,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from conftest import tiny_settings
 from decoupled_diloco.lm import flops
 from decoupled_diloco.lm import model
-from decoupled_diloco.runtime import devices
-from decoupled_diloco.runtime import hlo_analysis
-from decoupled_diloco.runtime import memory_fit
-from decoupled_diloco.runtime import tpu_aot
+from decoupled_diloco.runtime.core import devices
+from decoupled_diloco.runtime.hardware import hlo_analysis
+from decoupled_diloco.runtime.hardware import memory_fit
+from decoupled_diloco.runtime.hardware import tpu_aot
 from decoupled_diloco.runtime import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,7 +196,7 @@ def test_an_8b_model_on_one_v5e_chip_is_refused_with_its_numbers(tmp_path):
 def test_cpu_runs_start_no_tpu_backend_even_with_libtpu_installed():
   """The platform the config names is the only accelerator backend a run starts: libtpu (the
   `tpu` extra) neither probes for chips nor prints its warnings in a CPU run."""
-  code = ("from decoupled_diloco.runtime import devices; devices.use_platform('cpu'); "
+  code = ("from decoupled_diloco.runtime.core import devices; devices.use_platform('cpu'); "
           "import jax; jax.devices(); from jax._src import xla_bridge; "
           "print(sorted(xla_bridge._backends))")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

@@ -19,7 +19,7 @@ AUTO_MULTIPLE x the learner's step-time EMA, never less than AUTO_FLOOR_S:
   that borrows a learner's devices, a checkpoint's copy to host, a busy 2-core CI box) must not
   read as failures, and the first report after a (re)start comes before any EMA exists.
 
-Learners that share devices (config.devices.learners_sharing_devices = n, runtime/device_share.py)
+Learners that share devices (config.devices.learners_sharing_devices = n, runtime/core/device_share.py)
 take turns on them, so each one's step time, measured from one of its completed steps to the next,
 is a turn of all n: n x the device's step. That is its pace, and ten of those is still ten of its
 own steps, so the EMA rule needs nothing more. What changes is what comes before any EMA: at the

@@ -34,7 +34,7 @@ def lost_merges(tape: Sequence[Mapping[str, Any]], versions: Sequence[int]) -> l
   than the `versions[p]` it restored (from its checkpoint, or the newest a live learner holds).
 
   A syncer process killed after a merge went on its tape and before its broadcasts left
-  (runtime/ray_syncer.py holds them until the command's copy of the tape has the record) took
+  (runtime/transport/ray_syncer.py holds them until the command's copy of the tape has the record) took
   that merge down with it: no learner applied it, no checkpoint holds it, and the steps it took
   in are offered again. Records already marked lost are not counted again.
   """

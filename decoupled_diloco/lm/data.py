@@ -288,7 +288,7 @@ def reshard_position(state: bytes, *, shard_index: int, old_num_shards: int,
   """A train loader's iterator state (`get_state()` of `make_train_loader`'s iterator) moved from
   shard `shard_index` of `old_num_shards` to the same shard index of `new_num_shards`, keeping
   how many windows the learner has read (a job checkpoint restored onto another number of
-  learners: runtime/elastic_restore.py).
+  learners: runtime/records/elastic_restore.py).
 
   grain stores the position as the last global record index seen, which depends on the shard
   count (shard i of n reads records i, i + n, i + 2n, ...): its local count is recovered with the

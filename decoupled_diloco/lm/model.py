@@ -69,7 +69,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "nothing_saveable", "everything_saveable")
 # "auto": the runtime picks the cheapest policy whose compiled TPU step fits the chip's HBM, at
-# start-up (runtime/memory_fit.py); a model is always built with the policy it picked.
+# start-up (runtime/hardware/memory_fit.py); a model is always built with the policy it picked.
 REMAT_CHOICES = REMAT_POLICIES + ("auto",)
 _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
 # `implementation=` of jax.nn.dot_product_attention: "xla" runs anywhere; "cudnn" is cuDNN flash
@@ -675,7 +675,7 @@ def residual_sharding(mesh: Mesh) -> NamedSharding:
   Without it the SPMD partitioner may follow the weights instead: the embedding table is split
   along "embed" over fsdp, and XLA:TPU then kept the activations split along D and the batch whole
   over fsdp (gemma_2b_v5p's attention held 32 sequences per chip instead of 4, and its compile
-  failed: runtime/tpu_aot.py)."""
+  failed: runtime/hardware/tpu_aot.py)."""
   return NamedSharding(mesh, logical_to_mesh_spec(("batch", None, None), mesh))
 
 

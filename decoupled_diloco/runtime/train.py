@@ -42,27 +42,27 @@ from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import tokenizers
-from decoupled_diloco.runtime import checkpoint_faults
-from decoupled_diloco.runtime import checkpoints as checkpoints_lib
-from decoupled_diloco.runtime import device_memory
-from decoupled_diloco.runtime import device_share
-from decoupled_diloco.runtime import devices as devices_lib
-from decoupled_diloco.runtime import elastic_restore
-from decoupled_diloco.runtime import event_tape
-from decoupled_diloco.runtime import goodput as goodput_lib
-from decoupled_diloco.runtime import injector as injector_lib
-from decoupled_diloco.runtime import job_restart
-from decoupled_diloco.runtime import job_state
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import live_bar
-from decoupled_diloco.runtime import memory_fit
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import ray_runtime
-from decoupled_diloco.runtime import ray_syncer
-from decoupled_diloco.runtime import supervisor as supervisor_lib
-from decoupled_diloco.runtime import syncer as syncer_lib
-from decoupled_diloco.runtime import syncer_keeper as keeper_lib
-from decoupled_diloco.runtime import throughput as throughput_lib
+from decoupled_diloco.runtime.faults import checkpoint_faults
+from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
+from decoupled_diloco.runtime.hardware import device_memory
+from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.records import elastic_restore
+from decoupled_diloco.runtime.records import event_tape
+from decoupled_diloco.runtime.records import goodput as goodput_lib
+from decoupled_diloco.runtime.faults import injector as injector_lib
+from decoupled_diloco.runtime.control import job_restart
+from decoupled_diloco.runtime.records import job_state
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.control import live_bar
+from decoupled_diloco.runtime.hardware import memory_fit
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.transport import ray_runtime
+from decoupled_diloco.runtime.transport import ray_syncer
+from decoupled_diloco.runtime.control import supervisor as supervisor_lib
+from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
+from decoupled_diloco.runtime.core import throughput as throughput_lib
 
 
 @dataclasses.dataclass
@@ -98,7 +98,7 @@ class Run:
   # bytes (for bits per byte).
   data_info: dict[str, Any] = dataclasses.field(default_factory=dict)
   # (start, end), time.monotonic(), of each evaluation: learner steps that overlap one are left
-  # out of tokens/s and MFU (runtime/throughput.py).
+  # out of tokens/s and MFU (runtime/core/throughput.py).
   eval_windows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   # The global model on the validation split too (config.data.validation_fraction > 0).
   validator: evaluate.Evaluator | None = None
@@ -118,7 +118,7 @@ def _open_checkpoints(settings: settings_lib.RunSettings
                       ) -> tuple[checkpoints_lib.Checkpoints, checkpoints_lib.RestoredCheckpoint | None,
                                  elastic_restore.Change | None]:
   """The run's checkpoint directory, the checkpoint it resumes from (config.restore), and what
-  the restore changes in learners and meshes (runtime/elastic_restore.py).
+  the restore changes in learners and meshes (runtime/records/elastic_restore.py).
 
   Reads before anything compiles, so a missing or foreign checkpoint fails at once.
   """
@@ -225,7 +225,7 @@ def build(settings: settings_lib.RunSettings, *,
         settings.chaos.faults, settings.chaos.random_crashes, settings.num_learners,
         on_fault=lambda record: metrics.write("fault", record))
     step_hook = _chain_hooks(step_hook, injector.step_hook)
-  # Learner <-> syncer links go through it: a partition fault cuts them (runtime/network.py).
+  # Learner <-> syncer links go through it: a partition fault cuts them (runtime/core/network.py).
   network = injector.network if injector is not None else None
   compile_seconds = {"init_compile_s": 0.0, "train_compile_s": 0.0, "eval_compile_s": 0.0,
                      "syncer_compile_s": 0.0}
@@ -262,7 +262,7 @@ def build(settings: settings_lib.RunSettings, *,
                                   "config": event_tape.settings_record(settings)})
   syncer, port = None, None
 
-  secret = secrets.token_bytes(32)  # runtime=ray: this job's MAC key (runtime/ray_runtime.py)
+  secret = secrets.token_bytes(32)  # runtime=ray: this job's MAC key (runtime/transport/ray_runtime.py)
   if in_processes:
     ray_runtime.start_ray(settings.ray.address,
                           settings.num_learners * settings.ray.processes_per_learner)
@@ -300,7 +300,7 @@ def build(settings: settings_lib.RunSettings, *,
       cut = learner_cuts.get(learner.index)
       syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation,
                     anchor_versions=learner.counters().anchor_versions if cut else None)
-  # Learners on the same devices take turns on them (runtime/device_share.py).
+  # Learners on the same devices take turns on them (runtime/core/device_share.py).
   turns = device_share.turns_for(len(built), settings.devices.learners_sharing_devices)
   for index, (train_step, state, shardings, batches) in enumerate(built):
     options = learner_options(settings, index)
@@ -334,7 +334,7 @@ def build(settings: settings_lib.RunSettings, *,
   repaired_at = injector.repaired_at if injector is not None else lambda _: 0.0
   if in_processes:
     # A learner process is repaired once its devices are back (config.chaos's down_s) and Ray has
-    # restarted it (runtime/ray_runtime.py).
+    # restarted it (runtime/transport/ray_runtime.py).
     devices_back = repaired_at
     repaired_at = lambda m: devices_back(m) if learners[m].process_up() else math.inf  # noqa: E731
   if syncer is not None and not sync.lock_step:
@@ -481,14 +481,14 @@ ALONGSIDE_TRAIN_STEP = "the publication's copy of the parameters"
 def compile_train_step(settings: settings_lib.RunSettings, index: int, mesh
                        ) -> tuple[Any, memory_fit.Fit, inner.TrainState]:
   """Learner `index`'s train step compiled ahead of time for `mesh` (a TPU slice, or the
-  compile-only devices of a TPU topology: runtime/tpu_aot.py) from abstract shapes, with the
+  compile-only devices of a TPU topology: runtime/hardware/tpu_aot.py) from abstract shapes, with the
   run's shardings and donation; how its HBM per chip fits the chip (the executable is None when
   the compiler refused it for lack of HBM); and the abstract train state."""
   device = mesh.devices.flat[0]
   usable = memory_fit.usable_hbm_bytes(device)
   if usable is None:
     raise ValueError(f"learner {index}'s devices are {device.device_kind}, not TPU chips of "
-                     f"runtime/throughput.py's table: their HBM is not known")
+                     f"runtime/core/throughput.py's table: their HBM is not known")
   tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
   like = inner.abstract_train_state(model_lib.native_shapes(settings.model), tx, mesh,
                                     model_lib.param_shardings(settings.model, mesh))
@@ -556,12 +556,12 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
                   dataset: data_lib.Dataset, *, own_process: bool = False):
   """Learner `index`'s compiled step, initial state on `mesh`, parameter shardings and batches,
   and the seconds its step took to compile. The same in every runtime: a learner thread of this
-  process, or a learner process of its own (`runtime/ray_runtime.py`, `own_process`: its devices
+  process, or a learner process of its own (`runtime/transport/ray_runtime.py`, `own_process`: its devices
   hold only this learner, as far as this process can tell).
 
   Before any state is placed: on TPU chips, a learner whose step does not fit their HBM is refused
   (`check_learner_fits`); on any device that reports its memory, the step is compiled from shapes
-  and the needs of every learner on the devices are checked against it (runtime/device_memory.py)."""
+  and the needs of every learner on the devices are checked against it (runtime/hardware/device_memory.py)."""
   on_tpu = memory_fit.usable_hbm_bytes(mesh.devices.flat[0]) is not None
   if on_tpu:
     check_learner_fits(settings, index, mesh)
@@ -1130,7 +1130,7 @@ def _params_hashes(run: Run) -> dict[str, Any]:
 
 
 def replay(run: Run, *, progress: bool = True) -> dict[str, Any]:
-  """Replays the tape of config.replay on a built run (runtime/event_tape.py), evaluates the
+  """Replays the tape of config.replay on a built run (runtime/records/event_tape.py), evaluates the
   global model and writes the replay's summary, which says what changed against the recording."""
   settings = run.settings
   tape = event_tape.load(settings.replay)
@@ -1248,7 +1248,7 @@ def _log_progress(run: Run, clock: int, evals: list[dict[str, Any]]) -> None:
 
 def _throughput(run: Run, learners, last: int | None = None) -> throughput_lib.Throughput:
   """Of the learners' steps (each one's `last` ones; all by default), those that overlapped no
-  evaluation: tokens over step seconds x devices, and MFU (runtime/throughput.py)."""
+  evaluation: tokens over step seconds x devices, and MFU (runtime/core/throughput.py)."""
   settings = run.settings
   tokens = device_seconds = 0.0
   sharing = settings.devices.learners_sharing_devices
@@ -1364,7 +1364,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       "device_peak_bytes": _device_peak_bytes(run),
       # Throughput of this process's learner steps, every incarnation's, outside evaluations
-      # (runtime/throughput.py says which time counts); mfu is null where the chip's peak is
+      # (runtime/core/throughput.py says which time counts); mfu is null where the chip's peak is
       # not known (CPU).
       "device_kind": _device_kind(run),
       "model_flops_per_token": flops_lib.model_flops_per_token(run.settings.model,
@@ -1445,7 +1445,7 @@ def _fault_summary(run: Run, tape, incarnations, steps_made,
       fault.update({k: v for k, v in (healed[0] if healed else {}).items()
                     if k not in ("learner", "step", "error")})
   num_fragments = max(len(run.fragments), 1)
-  # Learners an elastic restore dropped (runtime/elastic_restore.py): what they made before it,
+  # Learners an elastic restore dropped (runtime/records/elastic_restore.py): what they made before it,
   # the share the overwrite discarded, and what they held unmerged, lost with them.
   dropped = history.get("dropped_learners", ())
   # Every token a learner trained on reaches each fragment of Theta through a merge, or is

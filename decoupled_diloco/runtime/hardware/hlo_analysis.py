@@ -3,7 +3,7 @@
 XLA's own `cost_analysis()` counts the body of a while loop once, whatever its trip count: a model
 whose blocks run under `lax.scan` (config.model.scan_layers) reports the FLOPs and bytes of one
 block. This walks the HLO instead and counts every computation as often as it runs
-(runtime/hlo_text.py): a loop body times its trip count, a fused computation once per call.
+(runtime/hardware/hlo_text.py): a loop body times its trip count, a fused computation once per call.
 From it:
 
 - matmul FLOPs: 2 x output elements x contracted size of every dot and convolution (a TPU
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from decoupled_diloco.runtime import hlo_text
+from decoupled_diloco.runtime.hardware import hlo_text
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 

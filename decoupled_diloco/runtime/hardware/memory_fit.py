@@ -2,11 +2,11 @@
 `config.model.remat='auto'`.
 
 The TPU compiler knows the HBM of the chip it compiles for (on a TPU host, or for the compile-only
-devices of a topology on any host; runtime/tpu_aot.py): a program larger than the chip fails its
+devices of a topology on any host; runtime/hardware/tpu_aot.py): a program larger than the chip fails its
 compile with RESOURCE_EXHAUSTED, and one that compiles reports its arguments, outputs, donated
 (aliased) outputs, temporaries and code per chip (`compiled.memory_analysis()`). A learner holds
 more than its step's own buffers: while a step runs, the publication the syncer pulls from
-refers to a device copy of the parameters (runtime/learner.py), so that copy counts too. A learner
+refers to a device copy of the parameters (runtime/core/learner.py), so that copy counts too. A learner
 that cannot fit is refused before its first step, with the numbers, instead of failing in it.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from decoupled_diloco import errors
-from decoupled_diloco.runtime import throughput
+from decoupled_diloco.runtime.core import throughput
 
 # Share of a chip's usable HBM that `remat='auto'` and the AOT report want left free: room for the
 # runtime's own buffers and for what the compiled figures leave out (transfers in flight, the
@@ -64,7 +64,7 @@ class ProgramMemory:
 
 
 def usable_hbm_bytes(device: jax.Device) -> int | None:
-  """HBM a program may allocate on `device`'s chip (runtime/throughput.py's table); None for a
+  """HBM a program may allocate on `device`'s chip (runtime/core/throughput.py's table); None for a
   device that is not a TPU chip of the table."""
   chip = throughput.tpu_chip(device.device_kind)
   return chip.hbm_usable_bytes if chip is not None else None

@@ -5,7 +5,7 @@ meshes (a TPU slice, a GPU host or a few fake CPU devices each) and a syncer mes
 CPU-only box learners and syncer share the fake host devices; on TPU or GPU the syncer takes the host's
 CPU devices. With config.devices.learners_sharing_devices = n, consecutive groups of n learners get
 one set of devices between them (each its own Mesh object over the same devices): M learners on
-one GPU. How their steps share those devices is runtime/device_share.py's.
+one GPU. How their steps share those devices is runtime/core/device_share.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from decoupled_diloco import errors
-from decoupled_diloco.runtime import throughput
+from decoupled_diloco.runtime.core import throughput
 
 # Every learner mesh has all three axes; a (data, model) shape has fsdp = 1 (see model.py's rules).
 LEARNER_AXES = ("data", "fsdp", "model")
@@ -128,7 +128,7 @@ def build_meshes(
 
 def learner_mesh(devices, shape: tuple[int, ...]) -> Mesh:
   """A learner's (data, fsdp, model) mesh over `devices`, in their order: this host's devices or
-  the compile-only devices of a TPU topology (runtime/tpu_aot.py)."""
+  the compile-only devices of a TPU topology (runtime/hardware/tpu_aot.py)."""
   return Mesh(np.array(devices).reshape(learner_axes(shape)), LEARNER_AXES)
 
 

@@ -9,14 +9,14 @@ placed on a device, so an 8B model compiles on a laptop), with the run's shardin
 - the train step (runtime/train.py `compile_train_step`, the program and check a TPU run starts
   with),
 - the eval step (lm/evaluate.py; on learner 0's mesh, where the runtime evaluates),
-- the publication copy of the parameters (lm/inner.py `copy_tree`, runtime/learner.py),
+- the publication copy of the parameters (lm/inner.py `copy_tree`, runtime/core/learner.py),
 - the apply of a broadcast: the write of one layer of a stacked tensor (lm/model.py `ParamLayout`),
   one program per tensor kind, and the rebase or mix when the merge settings ask for them,
 - the sampling step (lm/sampling.py), with the parameters sharded as the learner shards them.
 
-For each: HBM per chip against the chip's (runtime/memory_fit.py), matmul FLOPs and HBM bytes
+For each: HBM per chip against the chip's (runtime/hardware/memory_fit.py), matmul FLOPs and HBM bytes
 counted from the compiled HLO with loops at their trip counts, and the collectives with their bytes
-and mesh axes (runtime/hlo_analysis.py). The train step gets a roofline (runtime/throughput.py's
+and mesh axes (runtime/hardware/hlo_analysis.py). The train step gets a roofline (runtime/core/throughput.py's
 chip figures) and the analytic FLOPs of lm/flops.py beside the compiler's.
 """
 
@@ -38,11 +38,11 @@ from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import sampling
-from decoupled_diloco.runtime import devices as devices_lib
-from decoupled_diloco.runtime import hlo_analysis
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import memory_fit
-from decoupled_diloco.runtime import throughput
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.hardware import hlo_analysis
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.hardware import memory_fit
+from decoupled_diloco.runtime.core import throughput
 from decoupled_diloco.runtime import train
 
 # The sampling step as scripts/sample.py runs it by default (top_k is compiled in).

@@ -12,7 +12,7 @@ that step has left the devices, first come, first served. At most `slots` steps 
 on the devices at once: 2, so that on a GPU the next learner's step is already queued behind the
 one running (the stream does not wait for a Python thread to dispatch), on a CPU no step waits
 behind more than one other, and the device holds at most two steps' temporaries
-(runtime/device_memory.py counts them). The price: a learner no longer dispatches its next step
+(runtime/hardware/device_memory.py counts them). The price: a learner no longer dispatches its next step
 before its last one completes, so its host work between steps overlaps its peers' steps instead
 of its own. Four tiny learners on one fake CPU device made 0.86x and 0.92x the tokens/s with
 turns as without (one run each way, twice, alternated, on a loaded 2-core box), and in those runs

@@ -55,9 +55,9 @@ from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
-from decoupled_diloco.runtime import injector
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import supervisor as supervisor_lib
+from decoupled_diloco.runtime.faults import injector
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 
 TAPE_FILE = "tape.jsonl"
 FORMAT = 1
@@ -216,7 +216,7 @@ class _LearnerCursor:
     self.learner = learner
     self.events = list(events)
     # A nan fault corrupted the output of the step this learner made from each of these steps
-    # (runtime/injector.py), the first time it made it: the replay does the same.
+    # (runtime/faults/injector.py), the first time it made it: the replay does the same.
     self.nan_steps = set(nan_steps)
     self.next = 0
     # A merge applied after n publications of the current step is in publications n, n+1, ...:

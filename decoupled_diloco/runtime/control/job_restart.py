@@ -26,10 +26,10 @@ from typing import Any
 
 from absl import logging
 
-from decoupled_diloco.runtime import checkpoints as checkpoints_lib
-from decoupled_diloco.runtime import job_state
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
+from decoupled_diloco.runtime.records import job_state
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 
 
 class JobRestarter:

@@ -37,9 +37,9 @@ from absl import logging
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import tape as tape_lib
-from decoupled_diloco.runtime import devices as devices_lib
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import ray_runtime
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.transport import ray_runtime
 
 _POLL_S = 0.1  # the longest a watcher's call waits in the syncer's process for news
 _CALL_TIMEOUT_S = 120.0
@@ -260,7 +260,7 @@ class RemoteSyncer:
   """The command's handle on the syncer's process, read as a `Syncer` is read."""
 
   def __init__(self, actor, secret: bytes, metrics, *, stats=None, tape=None):
-    from decoupled_diloco.runtime import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime.core import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
     self._actor, self._secret, self._metrics = actor, secret, metrics
     self.pid = self.get("pid")
     self.compile_seconds = self.get("compile_seconds")

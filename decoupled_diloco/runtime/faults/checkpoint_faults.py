@@ -21,9 +21,9 @@ from typing import Any
 
 from absl import logging
 
-from decoupled_diloco.runtime import chaos
-from decoupled_diloco.runtime import checkpoints as checkpoints_lib
-from decoupled_diloco.runtime import metrics as metrics_lib
+from decoupled_diloco import chaos
+from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 
 FLIPPED_BYTES = 64
 

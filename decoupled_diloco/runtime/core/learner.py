@@ -10,7 +10,7 @@ back tau steps after it started.
 
 The learner keeps, per fragment p, the counters c_steps / c_tokens of its steps not yet merged, the
 step `since` where those steps start, and the host copy of the Theta_p it last received (its anchor,
-spec §5); with the delta broadcast (`runtime/global_model.py`) a broadcast may carry only the change
+spec §5); with the delta broadcast (`runtime/core/global_model.py`) a broadcast may carry only the change
 from the anchor of version `base_version`, which the learner adds to its anchor when it holds that
 version and ignores otherwise. It also remembers every offer the syncer took, so that a broadcast,
 which names the offer it merged, tells it exactly which of its steps are now in Theta_p:
@@ -29,7 +29,7 @@ offered; the syncer's robust merge rejects it.
 
 `snapshot()` captures everything needed to start it again from the same point.
 
-A learner over several processes (`group`, one per host: runtime/ray_runtime.py) is this same
+A learner over several processes (`group`, one per host: runtime/transport/ray_runtime.py) is this same
 learner in every process, in lock-step. At every step boundary they agree on what changes their
 state: the leader proposes the takes the syncer made of its publications since the last boundary,
 the broadcasts it holds, a capture of the whole state (`capture`), a stop and a release, and every
@@ -74,10 +74,10 @@ from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import schedule as schedule_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
-from decoupled_diloco.runtime import device_share
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import profiling
+from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import profiling
 
 
 _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
@@ -95,7 +95,7 @@ class SyncerLink(Protocol):
 
 
 class ProcessGroup(Protocol):
-  """The processes of a learner that spans several hosts (runtime/ray_runtime.py): each runs this
+  """The processes of a learner that spans several hosts (runtime/transport/ray_runtime.py): each runs this
   same learner on its part of the learner's mesh, in lock-step, since every step is one program over
   all of them. What may differ between them (which broadcasts and pulls have reached each, a stop
   asked of the leader) is agreed at every step boundary: the leader, process 0, proposes, and all
@@ -330,7 +330,7 @@ class Learner:
     self.step_times: list[float] = []
     self.first_step_done_at: float | None = None  # time.monotonic() when its first step completed
     # time.monotonic() when its first step started, when each step completed, and when it failed:
-    # the goodput accounting's timestamps (`runtime/goodput.py`).
+    # the goodput accounting's timestamps (`runtime/records/goodput.py`).
     self.train_started_at: float | None = None
     self.step_ends: list[float] = []
     self.failed_at: float | None = None
@@ -656,7 +656,7 @@ class Learner:
 
   def _step_in_turn(self, state: inner.TrainState, batch: dict[str, np.ndarray]):
     """Dispatches the step; on devices shared with other learners, in this learner's turn, which
-    it hands on once the step has left the devices (runtime/device_share.py)."""
+    it hands on once the step has left the devices (runtime/core/device_share.py)."""
     if self._turns is None:
       return self._train_step(state, batch)
     self._turns.enter(self.index)
@@ -973,7 +973,7 @@ class Learner:
     self._metrics.tape_event(kind, {"learner": self.index, "incarnation": self.incarnation,
                                     "seq": self._tape_seq, **fields})
 
-  # ---- replay (runtime/event_tape.py): the state changes of `_train`, `offer` and `_apply`,
+  # ---- replay (runtime/records/event_tape.py): the state changes of `_train`, `offer` and `_apply`,
   # ---- called one at a time in the order a tape recorded them, with no thread and no syncer -----
 
   def replay_step(self) -> None:
@@ -1019,7 +1019,7 @@ class Learner:
     return self._data_crc
 
   def replay_corrupt(self, corrupt: Callable[[jax.Array], jax.Array]) -> None:
-    """What a nan fault did to the output of the step just made (runtime/injector.py)."""
+    """What a nan fault did to the output of the step just made (runtime/faults/injector.py)."""
     self._state = self._state._replace(params=jax.tree.map(corrupt, self._state.params))
 
   def replay_fail(self, batches_taken: int) -> None:
@@ -1137,7 +1137,7 @@ def lower_merge_programs(like: jax.ShapeDtypeStruct, *, keep_in_flight_progress:
   """The programs the apply of a broadcast runs on one flat tensor placed like `like`, besides
   writing it into the parameters (`ParamLayout.set`), lowered: the rebase that keeps in-flight
   progress (config.merge.keep_in_flight_progress) and Streaming DiLoCo's mix (config.merge.alpha).
-  Overwrite on receive runs neither. For ahead-of-time compiles (runtime/tpu_aot.py)."""
+  Overwrite on receive runs neither. For ahead-of-time compiles (runtime/hardware/tpu_aot.py)."""
   theta = jax.ShapeDtypeStruct(like.shape, jnp.float32, sharding=like.sharding)
   programs = {}
   if keep_in_flight_progress:

@@ -12,7 +12,7 @@ naming no field, so `build` asks first, per device, from the shapes alone and th
 - offers in flight: n x one copy of the parameters (fragments the syncer took and has not merged
   hold their publication's arrays; at worst one of every fragment);
 - step working memory: the compiled step's temporaries + its batch, once per step that can be on
-  the devices at once: SLOTS for learners that share them (runtime/device_share.py; on an H200,
+  the devices at once: SLOTS for learners that share them (runtime/core/device_share.py; on an H200,
   four learners of 124M peaked at 45.7 GB against 43.9 GB counted so), one for a learner alone,
   whose steps run one after the other on the device's stream (counted twice, a 201.6M dp run
   that peaks far below the H200's 112.6 GB pool was refused for 171.9 GB);
@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.lm import inner
-from decoupled_diloco.runtime import device_share
+from decoupled_diloco.runtime.core import device_share
 
 GB = 1e9
 

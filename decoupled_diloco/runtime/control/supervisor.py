@@ -39,10 +39,10 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco.lm import inner
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import syncer as syncer_lib
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import syncer as syncer_lib
 
 
 def rejoin_snapshot(theta: dict[str, np.ndarray], versions: np.ndarray,
@@ -52,7 +52,7 @@ def rejoin_snapshot(theta: dict[str, np.ndarray], versions: np.ndarray,
     """A restarted learner's state (spec §6): Theta as the learners received it (`theta`, at
     `versions`), a healthy peer's optimizer state and step from its publication (`published`; None:
     fresh optimizer state at the failed learner's step), no unmerged progress. Its loader keeps
-    its own position. A replay (runtime/event_tape.py) makes it the same way."""
+    its own position. A replay (runtime/records/event_tape.py) makes it the same way."""
     params = layout.to_native(theta)
     if published is not None:
       step, opt_state, state_step = published.step, published.opt_state, published.state_step
@@ -237,7 +237,7 @@ class Supervisor:
                                peer.offers_made if peer is not None else None)
     step, opt_state = snapshot.step, snapshot.train_state.opt_state
     new = failed.respawn(snapshot)
-    # The event tape (runtime/event_tape.py): what a replay needs to make this incarnation again.
+    # The event tape (runtime/records/event_tape.py): what a replay needs to make this incarnation again.
     new.tape_respawn(
         failed_incarnation=failed.incarnation, failed_step=failed.step,
         failed_batches=failed.batches_taken, step=step, versions=versions.tolist(),

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.core import messages
 
 
 class Network:

@@ -29,7 +29,7 @@ from absl import logging
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import InputError
 from decoupled_diloco.lm import data as data_lib
-from decoupled_diloco.runtime import checkpoints
+from decoupled_diloco.runtime.records import checkpoints
 
 # History fields with one entry per learner (runtime/train.py's `_history`).
 _PER_LEARNER = ("steps_made", "discarded_fragment_steps", "discarded_fragment_tokens",

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from decoupled_diloco.lm import inner
-from decoupled_diloco.runtime import checkpoints
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.records import checkpoints
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import messages
 
 
 def learner_cut(index: int, incarnation: int, publication: messages.Publication,

@@ -52,8 +52,8 @@ from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import merge as merge_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import robust
-from decoupled_diloco.runtime import devices as devices_lib
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import messages
 
 _FLOAT_BYTES = 4
 

@@ -24,12 +24,12 @@ from typing import Any
 
 from absl import logging
 
-from decoupled_diloco.runtime import chaos
-from decoupled_diloco.runtime import checkpoints as checkpoints_lib
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import network as network_lib
-from decoupled_diloco.runtime import syncer as syncer_lib
+from decoupled_diloco import chaos
+from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import network as network_lib
+from decoupled_diloco.runtime.core import syncer as syncer_lib
 
 _DRAIN_TIMEOUT_S = 10.0  # longest a restart waits for the learners to apply what they were sent
 

@@ -28,9 +28,9 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.lm import model as model_lib
-from decoupled_diloco.runtime import devices as devices_lib
-from decoupled_diloco.runtime import global_model
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import global_model
+from decoupled_diloco.runtime.core import messages
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ takes the learner's others down (`RemoteLearner._fail`), and the learner rejoins
 fresh processes.
 
 The controller stays in the driver's process; the syncer is an actor of its own
-(`runtime/ray_syncer.py`).
+(`runtime/transport/ray_syncer.py`).
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
-from decoupled_diloco.runtime import devices as devices_lib
-from decoupled_diloco.runtime import injector as injector_lib
-from decoupled_diloco.runtime import learner as learner_lib
-from decoupled_diloco.runtime import messages
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.faults import injector as injector_lib
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import messages
 
 _POLL_S = 0.2  # the longest a watcher's call waits in the learner's process for news
 _CALL_TIMEOUT_S = 120.0  # a blocking call on a learner's process (state for a rejoin or a cut)
@@ -243,7 +243,7 @@ class LearnerProcess:
         metrics=self._outbox if leader else None,
         layout=model_lib.param_layout(settings.model), options=train.learner_options(settings, index),
         snapshot=snap, incarnation=inc, group=group)
-    from decoupled_diloco.runtime import job_state  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime.records import job_state  # pylint: disable=g-import-not-at-top
     snapshot = job_state.learner_snapshot(cut, state) if cut is not None else None
     self._learner = self._make(snapshot, cut.incarnation if cut is not None else 0)
     self._started = False
@@ -770,7 +770,7 @@ class RemoteLearner:
       return self.full_publication(_CALL_TIMEOUT_S).params
     return self._call_get("published", False, 0.0).params
 
-  # The event tape: a learner process records no takes or applies yet (runtime/event_tape.py
+  # The event tape: a learner process records no takes or applies yet (runtime/records/event_tape.py
   # refuses such a tape), so neither its respawn nor the batches it took are recorded.
   batches_taken = None
 

@@ -48,7 +48,7 @@ def _last_time_s(path: str, tail_bytes: int = 65536) -> float:
   return max(times, default=0.0)
 
 
-# Records of these kinds go to the event tape too (runtime/event_tape.py): what happened to the
+# Records of these kinds go to the event tape too (runtime/records/event_tape.py): what happened to the
 # job, beside the merges and the learners' takes and applies.
 TAPE_KINDS = frozenset({"fault", "rejoin", "syncer_restart", "job_restart", "checkpoint", "absent",
                         "back"})

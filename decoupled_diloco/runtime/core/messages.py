@@ -93,13 +93,13 @@ class Publication:
   data_state: bytes | None = None
   # At the same instant: steps made by this incarnation and fragment-steps (tokens) the overwrite
   # on receive discarded. What the accounting keeps of a learner whose process is lost
-  # (runtime/ray_runtime.py): these, consistent with the counters above, not a later reading.
+  # (runtime/transport/ray_runtime.py): these, consistent with the counters above, not a later reading.
   steps_made: int = 0
   discarded_fragment_steps: int = 0
   discarded_fragment_tokens: int = 0
   # How many publications of the same `step` came before this one (merges applied after the
   # learner's last step, a repeat for a full state): with `step` it names the publication on the
-  # event tape (runtime/event_tape.py).
+  # event tape (runtime/records/event_tape.py).
   index: int = 0
 
 
@@ -153,7 +153,7 @@ class Answer(enum.Enum):
 
   NOTHING = "nothing"  # the publication is current but holds no step on this fragment
   STALE = "stale"  # a merge of its earlier steps has not been applied yet: ask again later
-  # No answer came back: the link to the learner is down (a partition, runtime/network.py). Not
+  # No answer came back: the link to the learner is down (a partition, runtime/core/network.py). Not
   # an answer about the learner's state: ask again later.
   UNREACHABLE = "unreachable"
 
@@ -163,7 +163,7 @@ class Broadcast:
   """A merged Theta_p, version `version`, as it travels to every live learner.
 
   With the delta broadcast (config.compression.broadcast_delta) `values` may instead be the change
-  from the value of version `base_version` (R_p, `runtime/global_model.py`): only a learner whose
+  from the value of version `base_version` (R_p, `runtime/core/global_model.py`): only a learner whose
   anchor is that version may apply it, as anchor + decode(values); any other ignores it and gets a
   keyframe, a full value (`base_version` None), later.
   """
@@ -186,7 +186,7 @@ class PendingAnswer:
 
   The syncer keeps it among the copying offers of its round until `in_host_memory`, then reads
   `result()`: an `Offer` in host RAM or an `Answer`. The threaded runtime never makes one (its
-  learners answer at once); `runtime/ray_runtime.py` does.
+  learners answer at once); `runtime/transport/ray_runtime.py` does.
   """
 
   @property

@@ -17,7 +17,7 @@ its timeout (`algorithm/heartbeat.py`) is *absent*: rounds neither ask it nor wa
 quorum counts the others, and an offer of it still copying is late (weight 0). It stays attached and
 is still sent every broadcast (a hung learner applies them when it wakes). Its next report takes it
 back, and the syncer then sends it every Theta_p newer than the versions that report says it holds:
-broadcasts lost on the way (a partition, `runtime/network.py`) are made good. Every broadcast names,
+broadcasts lost on the way (a partition, `runtime/core/network.py`) are made good. Every broadcast names,
 for each learner, the last offer of it that a merge of the fragment took, so a learner that lost the
 broadcast of that merge still counts those steps as merged, not discarded.
 
@@ -70,10 +70,10 @@ from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.algorithm import heartbeat
 from decoupled_diloco.algorithm import robust
 from decoupled_diloco.algorithm import tape as tape_lib
-from decoupled_diloco.runtime import global_model as global_model_lib
-from decoupled_diloco.runtime import messages
-from decoupled_diloco.runtime import metrics as metrics_lib
-from decoupled_diloco.runtime import network as network_lib
+from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import network as network_lib
 
 _FLOAT_BYTES = 4
 
@@ -735,7 +735,7 @@ class Syncer:
           continue
         answer = self._learners[m].offer(p, self._merged_through.get((m, p), 0))
         if isinstance(answer, messages.PendingAnswer):
-          # A learner in another process: its answer is on its way (runtime/ray_runtime.py).
+          # A learner in another process: its answer is on its way (runtime/transport/ray_runtime.py).
           round_.copying[m] = (answer, self._now())
         else:
           self._admit(round_, m, answer, copying=True)
@@ -1003,7 +1003,7 @@ class Syncer:
         "bytes_down": bytes_down,
     }
     # On the tape before any learner can hold the merge: a runtime whose tape is copied out of
-    # this process (runtime/ray_syncer.py) sends the broadcasts once the copy has the record, so
+    # this process (runtime/transport/ray_syncer.py) sends the broadcasts once the copy has the record, so
     # a merge some learner applied is never missing from the command's tape.
     self.tape.append(decision)
     for m, sent in sends:

@@ -48,7 +48,7 @@ _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
                "syncer.num_workers", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
                "profile_steps", "compilation_cache_dir", "tape", "replay")
-# Fields a resumed run may change by an elastic restore (runtime/elastic_restore.py): how many
+# Fields a resumed run may change by an elastic restore (runtime/records/elastic_restore.py): how many
 # learners there are and the shape of each one's mesh; with another number of learners, the
 # quorum too (it is bounded by it).
 ELASTIC = ("num_learners", "learner_mesh_shapes")

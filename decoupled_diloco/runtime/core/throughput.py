@@ -119,7 +119,7 @@ def shared_steps_outside(learners: Sequence[tuple[Sequence[float], Sequence[floa
   union of those steps' intervals.
 
   A learner that shares its devices with n - 1 others measures a step as one turn of all of them
-  (runtime/device_share.py): summed over the n learners, their step seconds count the devices'
+  (runtime/core/device_share.py): summed over the n learners, their step seconds count the devices'
   time n times over, and tokens per device-second would read n times too low. The union counts
   each second once, whoever's steps filled it, and stays right while some of them are down.
   """

@@ -1,0 +1,1 @@
+"""Faults made on purpose: the injector that fires the chaos schedule, damaged checkpoints."""

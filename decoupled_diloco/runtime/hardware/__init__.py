@@ -1,0 +1,1 @@
+"""The accelerator side: TPU AOT compiles, HLO analysis, memory fit checks."""
