@@ -29,7 +29,7 @@ Counterfactual replay (other merge.*, outer.* or compression.* settings): the sa
 pattern, everything else recomputed; nothing is compared.
 
 A crashed learner and its rejoin replay too: its events stop, and at its `respawn` the replay
-makes the new incarnation as the supervisor did (`supervisor.rejoin_snapshot`) from the recorded
+makes the new incarnation as the supervisor did (`rejoin.rejoin_snapshot`) from the recorded
 versions and the peer's publication. A slow, hung (absent, then back) or partitioned learner
 changed only the timing and which messages got through, which the tape holds; the NaN of a nan
 fault the replay puts into the same step's output, as the injector did. What it does not replay
@@ -57,7 +57,7 @@ from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.faults import injector
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime.control import supervisor as supervisor_lib
+from decoupled_diloco.runtime.core import rejoin
 
 TAPE_FILE = "tape.jsonl"
 FORMAT = 1
@@ -460,7 +460,7 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
           theta = {}
           for p, v in enumerate(versions):
             theta.update(compression.decode_tree(wire[(p, v)]))
-          snapshot = supervisor_lib.rejoin_snapshot(
+          snapshot = rejoin.rejoin_snapshot(
               theta, np.asarray(versions, np.int64), failed.layout, published,
               event["failed_step"], None, None)
           new = failed.respawn(snapshot)
