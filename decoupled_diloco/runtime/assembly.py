@@ -1,10 +1,11 @@
 """The one build recipe: settings made into the objects a run is made of.
 
 A dataset, the inner optimizer, the fragments, the initial parameters, a `Learner` and a `Syncer`
-are made here and nowhere else, for every runtime: the controller's build (runtime/train.py), a
-learner process and the syncer process of config.runtime=ray (runtime/transport/), and the TPU
-ahead-of-time checks (runtime/hardware/tpu_aot.py) call the same functions, so a learner thread and
-a learner process start from the same objects, made in the same order.
+are made here and nowhere else, for every runtime: the controller's build
+(runtime/control/launch.py), a learner process and the syncer process of config.runtime=ray
+(runtime/transport/), and the TPU ahead-of-time checks (runtime/hardware/tpu_aot.py) call the same
+functions, so a learner thread and a learner process start from the same objects, made in the same
+order.
 
 It also compiles what a learner runs: its train step (`learner_step`, kept per process so a run
 built again takes the compiled program), checked against its devices' memory before any state is
