@@ -1,10 +1,11 @@
 """The syncer as a process of its own (config.runtime=ray): a Ray actor on CPU with its own mesh.
 
-The `Syncer` is the same class as in the threaded runtime, built by the same `assembly.make_local_syncer`
-steps, in a process whose JAX has `config.syncer.num_devices` CPU devices. Its links to the
-learners (`LearnerLink`) are `ActorLearnerLink`s: actor calls on the learners' processes, signed
-with the job's secret, answered through the object store (`messages.PendingAnswer`). The command's
-process keeps the controller; `RemoteSyncer` is its handle, read as it reads a `Syncer`:
+The `Syncer` is the same class as in the threaded runtime, built by the same
+`assembly.make_local_syncer` steps, in a process whose JAX has `config.syncer.num_devices` CPU
+devices. Its links to the learners (`LearnerLink`) are `ActorLearnerLink`s: actor calls on the
+learners' processes, signed with the job's secret, answered through the object store
+(`messages.PendingAnswer`). The command's process keeps the controller; `RemoteSyncer` is its
+handle, read as it reads a `Syncer`:
 
 - the learners' posts reach the syncer through the command (its watchers collect them, sign them
   and post them here, fire-and-forget); a post without a valid MAC (an outsider that looked the
