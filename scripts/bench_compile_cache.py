@@ -44,6 +44,7 @@ def child(cache_dir: str, schedule: str) -> dict:
 
   from decoupled_diloco import settings as settings_lib  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime.control import run as run_lib  # pylint: disable=g-import-not-at-top
   from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
 
   fetched: list[float] = []  # time.monotonic() of each executable fetched (compiled or cached)
@@ -62,7 +63,7 @@ def child(cache_dir: str, schedule: str) -> dict:
   run = train.build(settings_lib.validate(config))
   summary = train.execute(run, progress=False)
   shutil.rmtree(workdir, ignore_errors=True)
-  first_step = min(l.first_step_done_at for l in train._retired(run) + run.learners  # pylint: disable=protected-access
+  first_step = min(l.first_step_done_at for l in run_lib.retired(run) + run.learners
                    if l.first_step_done_at is not None)
   return {"to_first_step_s": first_step - _PROCESS_START,
           "build_seconds": run.build_seconds,

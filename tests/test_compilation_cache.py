@@ -10,6 +10,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from conftest import tiny_settings
+from decoupled_diloco.runtime import assembly
 from decoupled_diloco.runtime import train
 
 
@@ -41,18 +42,18 @@ def test_programs_compiled_after_the_run_sets_its_cache_are_written_there(tmp_pa
   # the first compile, and the run's must replace it, not be ignored.
   assert session_cache
   jax.jit(lambda x: x + 2).lower(jnp.arange(5.0)).compile()  # JAX opens the session's cache
-  train._use_compilation_cache(str(tmp_path / "cache"))  # pylint: disable=protected-access
+  assembly.use_compilation_cache(str(tmp_path / "cache"))
   jax.jit(lambda x: x * 3 + 1).lower(jnp.arange(7.0)).compile()
   assert os.listdir(tmp_path / "cache")
 
 
 def test_none_leaves_the_process_cache_alone(session_cache):
-  train._use_compilation_cache(None)  # pylint: disable=protected-access
+  assembly.use_compilation_cache(None)
   assert jax.config.jax_compilation_cache_dir == session_cache
 
 
 def test_a_run_built_again_in_the_same_process_reuses_its_compiled_steps(tmp_path):
-  """train.learner_parts keeps the jitted steps it made: the same model, optimizer and meshes
+  """assembly.learner_parts keeps the jitted steps it made: the same model, optimizer and meshes
   take the same compiled program and compile nothing, whatever their number of steps and
   learning-rate schedule (an argument of the program, each run's own); another model gets its
   own."""
@@ -77,8 +78,8 @@ def test_a_run_built_again_in_the_same_process_reuses_its_compiled_steps(tmp_pat
 def test_learners_compile_side_by_side_only_with_cores_to_spare(tmp_path, monkeypatch):
   """Each compile in flight holds XLA's working memory (4 at once on 2 cores: +0.7 GB of peak RSS
   for no faster a build): one learner's step compiles per two host cores."""
-  assert [train.compile_workers(4, cores) for cores in (1, 2, 3, 8, 64)] == [1, 1, 1, 4, 4]
-  real, running, most = train.learner_parts, [0], [0]
+  assert [assembly.compile_workers(4, cores) for cores in (1, 2, 3, 8, 64)] == [1, 1, 1, 4, 4]
+  real, running, most = assembly.learner_parts, [0], [0]
 
   def counted(*args, **kwargs):
     running[0] += 1
@@ -88,7 +89,7 @@ def test_learners_compile_side_by_side_only_with_cores_to_spare(tmp_path, monkey
     finally:
       running[0] -= 1
 
-  monkeypatch.setattr(train, "learner_parts", counted)
+  monkeypatch.setattr(assembly, "learner_parts", counted)
   monkeypatch.setattr(os, "cpu_count", lambda: 2)
   # Another model than the other tests' (mlp_dim): its steps compile here, not from the memo.
   run = train.build(tiny_settings(tmp_path, model__mlp_dim=80))

@@ -12,7 +12,8 @@ from absl import logging as absl_logging
 import decoupled_diloco
 from decoupled_diloco.runtime.control import quiet_logs
 
-_OWN = os.path.join(os.path.dirname(decoupled_diloco.__file__), "runtime", "train.py")
+_OWN = os.path.join(os.path.dirname(decoupled_diloco.__file__), "runtime", "control",
+                    "controller.py")
 _SITE = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,8 @@ def test_a_run_with_checkpoints_logs_only_its_own_lines(tmp_path):
   lines = out.stderr.strip().splitlines()
   sources = {m.group(1) for m in map(re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]").match,
                                       lines) if m}
-  assert sources <= {"main.py", "settings.py", "train.py", "device_memory.py"}, out.stderr
+  assert sources <= {"main.py", "settings.py", "train.py", "controller.py",
+                     "checkpoint_cadence.py", "device_memory.py"}, out.stderr
   text = out.stderr
   assert "step 1/2 |" in text and "checkpoint of step" in text and "done: final eval loss" in text
   assert len(lines) < 20, out.stderr

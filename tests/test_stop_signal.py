@@ -1,14 +1,14 @@
-"""A stop signal and its copies: runtime/train.py's handler called directly, on a fake clock."""
+"""A stop signal and its copies: runtime/control/signals.py's handler called directly, on a fake clock."""
 
 import signal
 
-from decoupled_diloco.runtime import train
+from decoupled_diloco.runtime.control import signals
 from conftest import HandClock
 
 
 def _handler():
   clock, exits = HandClock(now=100.0), []
-  return train._StopSignal(clock=clock, exit_now=exits.append), clock, exits
+  return signals.StopSignal(clock=clock, exit_now=exits.append), clock, exits
 
 
 def test_a_second_sigint_within_the_window_is_the_same_signal():
@@ -17,7 +17,7 @@ def test_a_second_sigint_within_the_window_is_the_same_signal():
   stop._handle(signal.SIGINT, None)
   clock.now += 0.002
   stop._handle(signal.SIGINT, None)
-  clock.now += train.SAME_SIGNAL_WINDOW_S * 0.9
+  clock.now += signals.SAME_SIGNAL_WINDOW_S * 0.9
   stop._handle(signal.SIGTERM, None)
   assert stop.signum == signal.SIGINT  # still the first one: a checkpoint, then a clean stop
   assert exits == []
@@ -26,7 +26,7 @@ def test_a_second_sigint_within_the_window_is_the_same_signal():
 def test_a_signal_after_the_window_exits_at_once():
   stop, clock, exits = _handler()
   stop._handle(signal.SIGTERM, None)
-  clock.now += train.SAME_SIGNAL_WINDOW_S + 0.01
+  clock.now += signals.SAME_SIGNAL_WINDOW_S + 0.01
   stop._handle(signal.SIGINT, None)
   assert exits == [128 + signal.SIGINT]
 
@@ -36,6 +36,6 @@ def test_the_window_counts_from_the_first_signal_not_the_last_copy():
   stop, clock, exits = _handler()
   stop._handle(signal.SIGINT, None)
   for _ in range(3):
-    clock.now += train.SAME_SIGNAL_WINDOW_S * 0.4
+    clock.now += signals.SAME_SIGNAL_WINDOW_S * 0.4
     stop._handle(signal.SIGINT, None)
   assert exits == [128 + signal.SIGINT]

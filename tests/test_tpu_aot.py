@@ -19,7 +19,7 @@ from decoupled_diloco.runtime.core import devices
 from decoupled_diloco.runtime.hardware import hlo_analysis
 from decoupled_diloco.runtime.hardware import memory_fit
 from decoupled_diloco.runtime.hardware import tpu_aot
-from decoupled_diloco.runtime import train
+from decoupled_diloco.runtime import assembly
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The compiled matmul FLOPs of the tiny train step against lm/flops.py's count (measured: within
@@ -182,7 +182,7 @@ def test_an_8b_model_on_one_v5e_chip_is_refused_with_its_numbers(tmp_path):
   settings = _eight_b(tmp_path)
   mesh = tpu_aot.learner_targets(settings, "v5e:1x1")[0].mesh
   with pytest.raises(memory_fit.DoesNotFit) as refusal:
-    train.check_learner_fits(settings, 0, mesh)
+    assembly.check_learner_fits(settings, 0, mesh)
   message = str(refusal.value)
   # Parameters and both AdamW moments in float32: 12 bytes per parameter, on one chip.
   state_gib = 12 * model.num_params(model.param_shapes(settings.model)) / 1024**3

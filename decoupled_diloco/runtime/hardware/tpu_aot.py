@@ -6,7 +6,7 @@ compiles for them. Each distinct learner of an experiment (its topology, mesh sh
 its mesh on those devices, and the runtime's own recipe compiles, from abstract shapes (nothing is
 placed on a device, so an 8B model compiles on a laptop), with the run's shardings and donation:
 
-- the train step (runtime/train.py `compile_train_step`, the program and check a TPU run starts
+- the train step (runtime/assembly.py `compile_train_step`, the program and check a TPU run starts
   with),
 - the eval step (lm/evaluate.py; on learner 0's mesh, where the runtime evaluates),
 - the publication copy of the parameters (lm/inner.py `copy_tree`, runtime/core/learner.py),
@@ -43,7 +43,7 @@ from decoupled_diloco.runtime.hardware import hlo_analysis
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.hardware import memory_fit
 from decoupled_diloco.runtime.core import throughput
-from decoupled_diloco.runtime import train
+from decoupled_diloco.runtime import assembly
 
 # The sampling step as scripts/sample.py runs it by default (top_k is compiled in).
 _SAMPLE_TOP_K = 40
@@ -113,7 +113,7 @@ def learner_targets(settings: settings_lib.RunSettings, topology: str | None = N
     meshes.append(devices_lib.learner_mesh(devices[:needed], shape))
     names.append(name)
   return [LearnerTarget(tuple(group), names[group[0]], meshes[group[0]])
-          for group in train.distinct_learners(settings, meshes)]
+          for group in assembly.distinct_learners(settings, meshes)]
 
 
 @dataclasses.dataclass
@@ -235,12 +235,12 @@ def compile_learner(settings: settings_lib.RunSettings, target: LearnerTarget, *
   tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
   like = inner.abstract_train_state(model_lib.native_shapes(cfg), tx, mesh, shardings)
   try:
-    compiled, fit, like = train.compile_train_step(settings, index, mesh)
-    programs = [_report("train_step", compiled, fit, train.ALONGSIDE_TRAIN_STEP,
+    compiled, fit, like = assembly.compile_train_step(settings, index, mesh)
+    programs = [_report("train_step", compiled, fit, assembly.ALONGSIDE_TRAIN_STEP,
                         time.perf_counter() - started, mesh, train_flops)]
   except jax.errors.JaxRuntimeError as err:
     programs = [_failed("train_step", err, memory_fit.bytes_per_chip(like.params),
-                        train.ALONGSIDE_TRAIN_STEP, usable, started, train_flops)]
+                        assembly.ALONGSIDE_TRAIN_STEP, usable, started, train_flops)]
   params_bytes = memory_fit.bytes_per_chip(like.params)
   state_bytes = memory_fit.bytes_per_chip(like)
 
@@ -319,4 +319,4 @@ def _apply_report(settings, like, shardings, usable, mesh, state_bytes, params_b
 def resolve_remat(settings: settings_lib.RunSettings, targets: Sequence[LearnerTarget]
                   ) -> tuple[settings_lib.RunSettings, dict[str, list[memory_fit.Fit]]]:
   """config.model.remat='auto' resolved as a TPU run resolves it at start-up, on `targets`."""
-  return train.resolve_remat(settings, {t.index: t.mesh for t in targets})
+  return assembly.resolve_remat(settings, {t.index: t.mesh for t in targets})

@@ -1,7 +1,7 @@
 """Learners as processes (config.runtime=ray): each learner is a Ray actor with its own JAX.
 
 The learner is the same `Learner` as in the threaded runtime, built by the same
-`train.learner_parts`, running in a process of its own on its own devices (fake CPU devices are
+`assembly.learner_parts`, running in a process of its own on its own devices (fake CPU devices are
 requested in that process before its JAX starts). Only the links differ:
 
 - The syncer's pulls (`LearnerLink.offer`) are actor calls. The answer travels back through Ray's
@@ -207,42 +207,30 @@ class LearnerProcess:
 
   def _build(self, cut) -> None:
     settings, index = self._settings, self._index
-    from decoupled_diloco.lm import data as data_lib  # pylint: disable=g-import-not-at-top
-    from decoupled_diloco.lm import inner  # pylint: disable=g-import-not-at-top
     from decoupled_diloco.lm import model as model_lib  # pylint: disable=g-import-not-at-top
-    from decoupled_diloco.lm import tokenizers  # pylint: disable=g-import-not-at-top
-    from decoupled_diloco.algorithm import fragments as fragments_lib  # pylint: disable=g-import-not-at-top
-    from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime import assembly  # pylint: disable=g-import-not-at-top
     shape = settings.learner_mesh_shapes[index]
     if settings.devices.platform == "cpu":
       devices_lib.request_fake_cpu_devices(math.prod(shape) // self._processes)
-    train._use_compilation_cache(settings.compilation_cache_dir)  # pylint: disable=protected-access
+    assembly.use_compilation_cache(settings.compilation_cache_dir)
     (mesh,), _ = devices_lib.build_meshes((shape,), 0, settings.devices.platform)
-    data = settings.data
-    dataset = data_lib.load_dataset(
-        data.source, tokenizer=tokenizers.load(data.tokenizer), text_field=data.text_field,
-        seq_len=data.seq_len, eval_fraction=data.eval_fraction,
-        validation_fraction=data.validation_fraction)
-    graphdef, params = model_lib.init_params(settings.model, mesh, settings.seed)
-    initial = {n: learner_lib.host_array(v) for n, v in params.items()}
-    tx = inner.make_inner_optimizer(settings.inner, settings.num_steps)
-    train_step, state, shardings, batches, self.compile_s = train.learner_parts(
+    dataset = assembly.load_dataset(settings)
+    graphdef, initial = assembly.initial_params(settings, mesh)
+    tx = assembly.inner_optimizer(settings)
+    train_step, state, shardings, batches, self.compile_s = assembly.learner_parts(
         settings, index, mesh, graphdef, initial, tx, dataset, own_process=True)
-    sync = settings.sync
-    fragments = fragments_lib.partition(
-        model_lib.param_shapes(settings.model), sync.num_fragments, sync.fragmentation,
-        embedding_names=(model_lib.EMBEDDING_NAME,))
+    fragments = assembly.make_fragments(settings)
     self._outbox = _Outbox()
     leader = self._process == 0
     group = _Agreement(leader) if self._processes > 1 else None
     # Only the leader of a multi-process learner posts, writes metrics and answers the driver's
     # polls for the learner; the others' state is the same.
-    self._make = lambda snap, inc: learner_lib.Learner(
-        index, train_step=train_step, state=state, param_shardings=shardings, batches=batches,
-        fragments=fragments, syncer=self._outbox if leader else None,
+    self._make = lambda snap, inc: assembly.make_learner(
+        settings, index, train_step=train_step, state=state, shardings=shardings,
+        batches=batches, fragments=fragments, syncer=self._outbox if leader else None,
         metrics=self._outbox if leader else None,
-        layout=model_lib.param_layout(settings.model), options=train.learner_options(settings, index),
-        snapshot=snap, incarnation=inc, group=group)
+        layout=model_lib.param_layout(settings.model), snapshot=snap, incarnation=inc,
+        group=group)
     from decoupled_diloco.runtime.records import job_state  # pylint: disable=g-import-not-at-top
     snapshot = job_state.learner_snapshot(cut, state) if cut is not None else None
     self._learner = self._make(snapshot, cut.incarnation if cut is not None else 0)

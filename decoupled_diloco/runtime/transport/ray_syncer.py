@@ -1,10 +1,11 @@
 """The syncer as a process of its own (config.runtime=ray): a Ray actor on CPU with its own mesh.
 
-The `Syncer` is the same class as in the threaded runtime, built by the same `train.make_syncer`
-steps, in a process whose JAX has `config.syncer.num_devices` CPU devices. Its links to the
-learners (`LearnerLink`) are `ActorLearnerLink`s: actor calls on the learners' processes, signed
-with the job's secret, answered through the object store (`messages.PendingAnswer`). The command's
-process keeps the controller; `RemoteSyncer` is its handle, read as it reads a `Syncer`:
+The `Syncer` is the same class as in the threaded runtime, built by the same
+`assembly.make_local_syncer` steps, in a process whose JAX has `config.syncer.num_devices` CPU
+devices. Its links to the learners (`LearnerLink`) are `ActorLearnerLink`s: actor calls on the
+learners' processes, signed with the job's secret, answered through the object store
+(`messages.PendingAnswer`). The command's process keeps the controller; `RemoteSyncer` is its
+handle, read as it reads a `Syncer`:
 
 - the learners' posts reach the syncer through the command (its watchers collect them, sign them
   and post them here, fire-and-forget); a post without a valid MAC (an outsider that looked the
@@ -146,11 +147,11 @@ class SyncerProcess:
   """The syncer in its own process (the body of the Ray actor; `RemoteSyncer` drives it)."""
 
   def __init__(self, settings: settings_lib.RunSettings, secret: bytes):
-    from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime import assembly  # pylint: disable=g-import-not-at-top
     self._secret = secret
     self.rejected_calls = 0
     self._records = _Records(settings.tape)
-    self.syncer = train.make_local_syncer(settings, metrics=self._records)
+    self.syncer = assembly.make_local_syncer(settings, metrics=self._records)
     self._gate = _TapeGate(lambda: len(self.syncer.tape))
 
   def _check(self, mac: str, method: str, learner: int, incarnation: int, detail: str = ""
