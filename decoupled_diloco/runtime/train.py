@@ -1038,7 +1038,7 @@ def _train_until_done(run: Run, evals: list[dict[str, Any]], progress: bool,
       run.syncer = syncer = keeper.syncer
     if run.corrupter is not None:
       run.corrupter.tick()
-    if keeper is None or not (keeper.down or getattr(syncer, "process_died", False)):
+    if keeper is None or not (keeper.down or syncer.process_died):
       _check_syncer(syncer)  # (a syncer process that died is the keeper's to restore)
     _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)
@@ -1330,7 +1330,7 @@ def _summary(run: Run, evals, train_seconds: float, wall_seconds: float) -> dict
       "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
       # config.ray.processes_per_learner > 1: whether each learner's processes ended holding the
       # same copies of every parameter piece (None: a learner of one process).
-      "learner_replicas_agree": [getattr(l, "replicas_agree", None) for l in learners],
+      "learner_replicas_agree": [l.replicas_agree for l in learners],
       "merges": stats.merges,
       "merges_due": stats.merges_due,
       "merges_before_flush": stats.merges - stats.final_merges,
