@@ -134,7 +134,7 @@ class SyncerKeeper:
     crashed = self.syncer
     self._port.connect(None)
     if planned:  # (an unplanned crash is dead already)
-      crashed.kill()  # a syncer process (runtime=ray): SIGKILL, as a real crash
+      crashed.kill()  # as a real crash: SIGKILL of a syncer process (runtime=ray), or its thread
     self._pending_state = None
     record = {"fault": "syncer_crash", "learner": None, "step": None,
               "at_s": self._elapsed(now), "source": source, "down_s": round(down_s, 3)}

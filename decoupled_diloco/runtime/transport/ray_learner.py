@@ -43,6 +43,7 @@ class RemoteDevice:
   def memory_stats(self) -> None:
     return None
 
+
 class LearnerProcessDied(plumbing.ProcessDied):
   """The learner's process is gone."""
 
