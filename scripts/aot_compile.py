@@ -5,7 +5,7 @@ r"""Compiles every learner program of an experiment for its real TPU topology, o
   python scripts/aot_compile.py --config=experiments/dense_5b_v5p.py --config.model.remat=auto
 
 No TPU is needed: libtpu (the `tpu` extra) gives the compile-only devices of a named topology and
-the TPU compiler (runtime/hardware/tpu_aot.py). Each distinct learner is compiled on its topology (the
+the TPU compiler (runtime/tpu_aot.py). Each distinct learner is compiled on its topology (the
 config's `devices.tpu_topologies`, or --topology for all), and for each of its programs (train
 step, eval step, publication copy, apply of a broadcast, sampling step) this prints and writes
 HBM per chip against the chip's, the compiled matmul FLOPs beside lm/flops.py's, every collective
@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from decoupled_diloco import errors  # pylint: disable=g-import-not-at-top
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime.core import syncer_load
-from decoupled_diloco.runtime.hardware import tpu_aot
+from decoupled_diloco.runtime import tpu_aot
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _TOPOLOGY = flags.DEFINE_string(

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.transport import ray_plumbing
 from decoupled_diloco.runtime.transport import ray_runtime
 from decoupled_diloco.runtime.transport import ray_syncer
 from decoupled_diloco.runtime import train
@@ -311,10 +312,10 @@ def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
     learner = run.learners[1]
     actor = learner._actor  # what another driver would get from ray.get_actor(name)
     before = learner.published.params
-    forged = ray_runtime.sign(b"not the job's secret", "deliver", 1, 0, "0:1")
+    forged = ray_plumbing.sign(b"not the job's secret", "deliver", 1, 0, "0:1")
     bogus = messages.Broadcast(0, 1, {})
     assert ray.get(actor.deliver.remote(bogus, 0, forged)) is False  # fire-and-forget: refused
-    stale = ray_runtime.sign(learner._secret, "offer", 1, 5, "0")  # a later incarnation's
+    stale = ray_plumbing.sign(learner._secret, "offer", 1, 5, "0")  # a later incarnation's
     with pytest.raises(ray.exceptions.RayTaskError, match="for incarnation 5"):
       ray.get(actor.offer.remote(0, 0, 5, stale))
     status = ray.get(actor.poll.remote(0.0))
@@ -327,7 +328,7 @@ def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
     offer = messages.Offer(learner=0, fragment=0, step=5, since=0, steps=5, tokens=640,
                            anchor_version=0, values={}, anchor={}, incarnation=0)
     report = messages.StepReport(0, 5, 0.1, 128, incarnation=0)
-    forged = ray_runtime.sign(b"not the job's secret", "post", 0, 0, "Offer")
+    forged = ray_plumbing.sign(b"not the job's secret", "post", 0, 0, "Offer")
     assert ray.get(syncer.post.remote(offer, forged)) is False
     assert ray.get(syncer.post.remote(report, "0" * 64)) is False
     assert ray.get(syncer.poll.remote(0, 0.0))["rejected_calls"] == 2

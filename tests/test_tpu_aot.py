@@ -1,5 +1,5 @@
 """Learner programs compiled by the TPU compiler for real TPU topologies, on this CPU host
-(runtime/hardware/tpu_aot.py): they fit, their FLOPs are the analytic count, and a learner too large for its
+(runtime/tpu_aot.py): they fit, their FLOPs are the analytic count, and a learner too large for its
 chip is refused with the numbers, as a TPU run refuses it at start-up."""
 
 import os
@@ -18,7 +18,7 @@ from decoupled_diloco.lm import model
 from decoupled_diloco.runtime.core import devices
 from decoupled_diloco.runtime.hardware import hlo_analysis
 from decoupled_diloco.runtime.hardware import memory_fit
-from decoupled_diloco.runtime.hardware import tpu_aot
+from decoupled_diloco.runtime import tpu_aot
 from decoupled_diloco.runtime import assembly
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -168,7 +168,7 @@ def prepare(paths: list[str], tokenizer, *, tokenizer_spec: str, seq_len: int, o
             progress=None, flag_prefix: str = "") -> dict:
   """Tokenizes the text files `paths` and packs them into shards under `out_dir`; returns meta.
 
-  The split is the in-memory loader's (`data.split_files`): the last `eval_fraction` of each
+  The split is the in-memory loader's (`token_streams.split_files`): the last `eval_fraction` of each
   file's tokens goes to the eval shards, the rest to the train shards, each stream cut into windows
   of seq_len + 1 ids that carry over from file to file. One file is in memory at a time.
   `progress(path, meta_so_far)` is called after each file. A split left without a window is an
@@ -196,7 +196,7 @@ def prepare(paths: list[str], tokenizer, *, tokenizer_spec: str, seq_len: int, o
 
 def _prepare(paths, tokenizer, *, tokenizer_spec, seq_len, out_dir, eval_fraction, text_field,
              records_per_shard, progress, flag_prefix) -> dict:
-  from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.lm import token_streams  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.lm import documents  # pylint: disable=g-import-not-at-top
   dtype = record_dtype(tokenizer.vocab_size)
   writers = {s: ShardWriter(out_dir, s, dtype, records_per_shard) for s in ("train", "eval")}
@@ -204,7 +204,7 @@ def _prepare(paths, tokenizer, *, tokenizer_spec, seq_len, out_dir, eval_fractio
   skipped = documents.SkipCounter()
   totals = {"tokens_read": 0, "bytes": 0, "files": 0}
   meta = {}
-  for path, train, evals in data.split_files(paths, tokenizer, text_field, eval_fraction, skipped):
+  for path, train, evals in token_streams.split_files(paths, tokenizer, text_field, eval_fraction, skipped):
     packers["train"].add(train)
     packers["eval"].add(evals)
     totals["tokens_read"] += len(train) + len(evals)

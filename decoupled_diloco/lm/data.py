@@ -27,6 +27,7 @@ import numpy as np
 from decoupled_diloco import errors
 from decoupled_diloco.lm import array_records
 from decoupled_diloco.lm import documents
+from decoupled_diloco.lm import token_streams
 from decoupled_diloco.lm import tokenizers as tokenizers_lib
 
 # Only the input/target pairs of a window are used, so reading is a numpy slice of memory; grain's
@@ -55,53 +56,13 @@ def split_tokens(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, 
   if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) \
       or not 0.0 < eval_fraction <= 0.5:
     raise errors.InputError(f"config.data.eval_fraction={eval_fraction!r} must be in (0, 0.5]")
-  train, evals = _tail_split(tokens, eval_fraction)
+  train, evals = token_streams.tail_split(tokens, eval_fraction)
   if len(evals) < 1:
     raise errors.InputError(
         f"config.data.eval_fraction={eval_fraction} holds out no token of the {len(tokens)} of "
         f"config.data.source: give it more text"
     )
   return train, evals
-
-
-def _tail_split(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-  num_eval = int(round(len(tokens) * eval_fraction))
-  return tokens[:len(tokens) - num_eval], tokens[len(tokens) - num_eval:]
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-  """The narrowest unsigned dtype that holds every id: a stream in memory is 1-4 bytes a token."""
-  return np.dtype(np.uint8 if vocab_size <= 1 << 8 else
-                  np.uint16 if vocab_size <= 1 << 16 else np.int32)
-
-
-def file_tokens(path: str, tokenizer: tokenizers_lib.Tokenizer, text_field: str,
-                skipped: documents.SkipCounter) -> np.ndarray:
-  """The token stream of one text file: its documents encoded, each followed by the tokenizer's
-  end-of-text id (if it has one). Bad records are counted in `skipped` and left out."""
-  dtype = token_dtype(tokenizer.vocab_size)
-  if tokenizer.name == "byte" and not path.endswith((".jsonl", ".parquet")):
-    # The bytes of a text file are its byte tokens, UTF-8 or not: the path every run took before
-    # tokenizers came, kept byte for byte so its windows, order and losses are unchanged.
-    tokens = np.fromfile(path, dtype=np.uint8)
-    if tokens.size == 0:
-      skipped["empty"] += 1
-    return tokens
-  pieces = []
-  eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-  for text in documents.read_documents(path, text_field, skipped):
-    pieces += [tokenizer.encode(text), np.asarray(eos, np.int64)]
-  return np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-
-
-def split_files(paths: list[str], tokenizer: tokenizers_lib.Tokenizer, text_field: str,
-                eval_fraction: float, skipped: documents.SkipCounter):
-  """Yields (path, train tokens, eval tokens) per file: the last `eval_fraction` of each file's
-  tokens is held out. Every file adds to both splits, so a directory of shards of a corpus is
-  evaluated on all of them; one file at a time is in memory (scripts/prepare_data.py streams)."""
-  for path in paths:
-    tokens = file_tokens(path, tokenizer, text_field, skipped)
-    yield (path, *_tail_split(tokens, eval_fraction))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +104,13 @@ def load_dataset(source: str, *, tokenizer: tokenizers_lib.Tokenizer, text_field
   files = documents.text_files(source)
   skipped = documents.SkipCounter()
   if len(files) == 1:
-    tokens = file_tokens(files[0], tokenizer, text_field, skipped)
+    tokens = token_streams.file_tokens(files[0], tokenizer, text_field, skipped)
     _check_text_found(source, tokens.size, skipped)
-    train, evals = _tail_split(tokens, eval_fraction)  # too few tokens: _check_size names it
-    train, validation = _tail_split(train, validation_fraction)
+    train, evals = token_streams.tail_split(tokens, eval_fraction)  # too few tokens: _check_size names it
+    train, validation = token_streams.tail_split(train, validation_fraction)
   else:
-    parts = list(split_files(files, tokenizer, text_field, eval_fraction, skipped))
-    trains = [_tail_split(p[1], validation_fraction) for p in parts]
+    parts = list(token_streams.split_files(files, tokenizer, text_field, eval_fraction, skipped))
+    trains = [token_streams.tail_split(p[1], validation_fraction) for p in parts]
     train = np.concatenate([t for t, _ in trains])
     validation = np.concatenate([v for _, v in trains])
     evals = np.concatenate([p[2] for p in parts])

@@ -23,7 +23,7 @@ runtimes and hardware. No JAX here, so a script that must not start JAX can impo
 What a compiled train step multiplies is more when blocks are rematerialised
 (config.model.remat): the backward pass runs the forward matmuls it did not keep again.
 `train_flops_per_token` adds them, which is what the TPU compiler's count of a step is compared
-with (runtime/hardware/tpu_aot.py).
+with (runtime/tpu_aot.py).
 """
 
 from __future__ import annotations

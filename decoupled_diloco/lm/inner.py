@@ -322,7 +322,7 @@ class TrainStep:
     self.donates_state = donates_state
     self.schedule_values = np.asarray(schedule_values, np.float32)
     # Placed at the first call: a step made to be compiled only, for a mesh of compile-only
-    # devices (runtime/hardware/tpu_aot.py), never places anything.
+    # devices (runtime/tpu_aot.py), never places anything.
     self._schedule = None
     # A mesh over several processes (a learner over several hosts): every process holds the
     # whole batch, and hands the step the rows its devices take.

@@ -675,7 +675,7 @@ def residual_sharding(mesh: Mesh) -> NamedSharding:
   Without it the SPMD partitioner may follow the weights instead: the embedding table is split
   along "embed" over fsdp, and XLA:TPU then kept the activations split along D and the batch whole
   over fsdp (gemma_2b_v5p's attention held 32 sequences per chip instead of 4, and its compile
-  failed: runtime/hardware/tpu_aot.py)."""
+  failed: runtime/tpu_aot.py)."""
   return NamedSharding(mesh, logical_to_mesh_spec(("batch", None, None), mesh))
 
 

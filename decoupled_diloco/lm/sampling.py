@@ -48,7 +48,7 @@ def _next_token(graphdef, params, context_L, length, key, temperature, *, top_k:
 def lower_next_token(model_cfg: model_lib.ModelConfig, params: Mapping[str, Any], *, top_k: int
                      ) -> Any:
   """`generate`'s one program lowered for `params` (arrays or sharded ShapeDtypeStructs): to
-  compile it ahead of time, for the chips of a TPU topology (runtime/hardware/tpu_aot.py)."""
+  compile it ahead of time, for the chips of a TPU topology (runtime/tpu_aot.py)."""
   context_L = jax.ShapeDtypeStruct((model_cfg.max_seq_len,), jnp.int32)
   key = jax.eval_shape(jax.random.key, 0)
   return _next_token.lower(model_lib.graph(model_cfg), dict(params), context_L, 1, key, 1.0,

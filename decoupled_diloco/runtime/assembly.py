@@ -3,7 +3,7 @@
 A dataset, the inner optimizer, the fragments, the initial parameters, a `Learner` and a `Syncer`
 are made here and nowhere else, for every runtime: the controller's build
 (runtime/control/launch.py), a learner process and the syncer process of config.runtime=ray
-(runtime/transport/), and the TPU ahead-of-time checks (runtime/hardware/tpu_aot.py) call the same
+(runtime/transport/), and the TPU ahead-of-time checks (runtime/tpu_aot.py) call the same
 functions, so a learner thread and a learner process start from the same objects, made in the same
 order.
 
@@ -177,7 +177,7 @@ ALONGSIDE_TRAIN_STEP = "the publication's copy of the parameters"
 def compile_train_step(settings: settings_lib.RunSettings, index: int, mesh
                        ) -> tuple[Any, memory_fit.Fit, inner.TrainState]:
   """Learner `index`'s train step compiled ahead of time for `mesh` (a TPU slice, or the
-  compile-only devices of a TPU topology: runtime/hardware/tpu_aot.py) from abstract shapes, with the
+  compile-only devices of a TPU topology: runtime/tpu_aot.py) from abstract shapes, with the
   run's shardings and donation; how its HBM per chip fits the chip (the executable is None when
   the compiler refused it for lack of HBM); and the abstract train state."""
   device = mesh.devices.flat[0]

@@ -148,7 +148,7 @@ def _train_until_done(run: run_lib.Run, evals: list[dict[str, Any]], progress: b
       run.syncer = syncer = keeper.syncer
     if run.corrupter is not None:
       run.corrupter.tick()
-    if keeper is None or not (keeper.down or getattr(syncer, "process_died", False)):
+    if keeper is None or not (keeper.down or syncer.process_died):
       _check_syncer(syncer)  # (a syncer process that died is the keeper's to restore)
     _check_supervisor(supervisor)
     steps = sum(l.steps_made for l in learners)

@@ -69,7 +69,7 @@ def run_summary(run: run_lib.Run, evals, train_seconds: float, wall_seconds: flo
       "learner_errors": [None if l.error is None else repr(l.error) for l in learners],
       # config.ray.processes_per_learner > 1: whether each learner's processes ended holding the
       # same copies of every parameter piece (None: a learner of one process).
-      "learner_replicas_agree": [getattr(l, "replicas_agree", None) for l in learners],
+      "learner_replicas_agree": [l.replicas_agree for l in learners],
       "merges": stats.merges,
       "merges_due": stats.merges_due,
       "merges_before_flush": stats.merges - stats.final_merges,

@@ -26,10 +26,9 @@ from absl import logging
 
 from decoupled_diloco import chaos
 from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import network as network_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
 
 _DRAIN_TIMEOUT_S = 10.0  # longest a restart waits for the learners to apply what they were sent
 
@@ -39,7 +38,7 @@ class SyncerPort:
   as they would be to a dead process, and counted). A post of a learner cut off by a partition
   (`network`) is lost before it leaves, and counted in that partition's record."""
 
-  def __init__(self, syncer: syncer_lib.Syncer | None,
+  def __init__(self, syncer: handles.SyncerHandle | None,
                network: network_lib.Network | None = None):
     self._syncer = syncer
     self._network = network
@@ -56,16 +55,16 @@ class SyncerPort:
       return
     syncer.post(message)
 
-  def connect(self, syncer: syncer_lib.Syncer | None) -> None:
+  def connect(self, syncer: handles.SyncerHandle | None) -> None:
     self._syncer = syncer
 
 
 class SyncerKeeper:
   """Periodic syncer checkpoints; crash and restart of the syncer. Driven by the controller."""
 
-  def __init__(self, *, syncer: syncer_lib.Syncer, port: SyncerPort,
-               make_syncer: Callable[[], syncer_lib.Syncer],
-               learners: list[learner_lib.Learner],
+  def __init__(self, *, syncer: handles.SyncerHandle, port: SyncerPort,
+               make_syncer: Callable[[], handles.SyncerHandle],
+               learners: list[handles.LearnerHandle],
                checkpoints: checkpoints_lib.Checkpoints | None, every_s: float,
                faults: Sequence[chaos.Fault], metrics: metrics_lib.MetricsWriter | None = None,
                clock: Callable[[], float] = time.monotonic):
@@ -110,7 +109,7 @@ class SyncerKeeper:
       if self._faults and self._elapsed(now) >= self._faults[0].second:
         fault = self._faults.pop(0)
         self._crash(fault.source, fault.down_s, now)
-      elif getattr(self.syncer, "process_died", False):
+      elif self.syncer.process_died:
         # runtime=ray: the syncer's process died unplanned (a kill -9 by hand, the OOM killer).
         # Ray has restarted it already: restore it now, as after an injected crash.
         self._crash(f"its process died ({self.syncer.error})", 0.0, now, planned=False)
@@ -134,13 +133,8 @@ class SyncerKeeper:
   def _crash(self, source: str, down_s: float, now: float, planned: bool = True) -> None:
     crashed = self.syncer
     self._port.connect(None)
-    if not planned:
-      pass  # already dead
-    elif hasattr(crashed, "kill"):
-      crashed.kill()  # a syncer process (runtime=ray): SIGKILL, as a real crash
-    else:
-      crashed.stop()
-      crashed.join(timeout=30)
+    if planned:  # (an unplanned crash is dead already)
+      crashed.kill()  # as a real crash: SIGKILL of a syncer process (runtime=ray), or its thread
     self._pending_state = None
     record = {"fault": "syncer_crash", "learner": None, "step": None,
               "at_s": self._elapsed(now), "source": source, "down_s": round(down_s, 3)}

@@ -128,7 +128,7 @@ def build_meshes(
 
 def learner_mesh(devices, shape: tuple[int, ...]) -> Mesh:
   """A learner's (data, fsdp, model) mesh over `devices`, in their order: this host's devices or
-  the compile-only devices of a TPU topology (runtime/hardware/tpu_aot.py)."""
+  the compile-only devices of a TPU topology (runtime/tpu_aot.py)."""
   return Mesh(np.array(devices).reshape(learner_axes(shape)), LEARNER_AXES)
 
 

@@ -483,6 +483,35 @@ class Learner:
     return Counters(self._counter_steps.copy(), self._counter_tokens.copy(),
                     self._anchor_versions.copy())
 
+  # One copy of its state in this process: no replicas to disagree (`handles.LearnerHandle`).
+  replicas_agree: bool | None = None
+
+  def status(self):
+    """How this learner stands, for its handle in another process (`handles.LearnerStatus`).
+
+    One instant for the accounting: the latest publication's counters, steps and discards (a
+    process lost after this status loses what it did since; reading the live fields one by one
+    could count a step made in between in one and not in the other)."""
+    from decoupled_diloco.runtime.core import handles  # pylint: disable=g-import-not-at-top
+    published = self.published
+    error = self.error
+    return handles.LearnerStatus(
+        incarnation=self.incarnation, step=self.step, steps_made=published.steps_made,
+        start_step=self.start_step,
+        num_losses=len(self.losses), recent_losses=list(self.losses[-handles.RECENT:]),
+        recent_step_times=list(self.step_times[-handles.RECENT:]),
+        recent_step_ends=list(self.step_ends[-handles.RECENT:]),
+        num_steps_done=len(self.step_times),
+        first_step_done_at=self.first_step_done_at,
+        train_started_at=self.train_started_at, failed_at=self.failed_at,
+        error=None if error is None else repr(error),
+        finished_training=self.finished_training.is_set(),
+        discarded_fragment_tokens=published.discarded_fragment_tokens,
+        discarded_fragment_steps=published.discarded_fragment_steps,
+        barrier_wait_s=self.barrier_wait_s,
+        counters=(published.counter_steps, published.counter_tokens, published.anchor_versions),
+        data_state=published.data_state, offers_made=self.offers_made)
+
   @property
   def published(self) -> messages.Publication:
     return self._published
@@ -1137,7 +1166,7 @@ def lower_merge_programs(like: jax.ShapeDtypeStruct, *, keep_in_flight_progress:
   """The programs the apply of a broadcast runs on one flat tensor placed like `like`, besides
   writing it into the parameters (`ParamLayout.set`), lowered: the rebase that keeps in-flight
   progress (config.merge.keep_in_flight_progress) and Streaming DiLoCo's mix (config.merge.alpha).
-  Overwrite on receive runs neither. For ahead-of-time compiles (runtime/hardware/tpu_aot.py)."""
+  Overwrite on receive runs neither. For ahead-of-time compiles (runtime/tpu_aot.py)."""
   theta = jax.ShapeDtypeStruct(like.shape, jnp.float32, sharding=like.sharding)
   programs = {}
   if keep_in_flight_progress:

@@ -207,6 +207,18 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._thread.join(timeout)
     self._workers.shutdown(wait=False, cancel_futures=True)
 
+  def kill(self) -> None:
+    """A crash (config.chaos's syncer_crash): the thread stops and what it held is lost, as a
+    syncer process's state is with a SIGKILL (`ray_syncer.RemoteSyncer.kill`)."""
+    self.stop()
+    self.join(timeout=30)
+
+  @property
+  def process_died(self) -> bool:
+    """A syncer in the command's process has no process of its own to lose (its failures are
+    its `error`)."""
+    return False
+
   def post(self, message: Any) -> None:
     """Learners call this; it only enqueues."""
     self._inbox.put(message)

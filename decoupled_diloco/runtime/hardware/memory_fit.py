@@ -2,7 +2,7 @@
 `config.model.remat='auto'`.
 
 The TPU compiler knows the HBM of the chip it compiles for (on a TPU host, or for the compile-only
-devices of a topology on any host; runtime/hardware/tpu_aot.py): a program larger than the chip fails its
+devices of a topology on any host; runtime/tpu_aot.py): a program larger than the chip fails its
 compile with RESOURCE_EXHAUSTED, and one that compiles reports its arguments, outputs, donated
 (aliased) outputs, temporaries and code per chip (`compiled.memory_analysis()`). A learner holds
 more than its step's own buffers: while a step runs, the publication the syncer pulls from

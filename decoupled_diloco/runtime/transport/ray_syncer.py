@@ -23,14 +23,11 @@ Ray; its constructor builds a fresh syncer at the initial Theta, and the control
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
-import hmac
 import os
 import signal
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -40,40 +37,8 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime.transport import ray_runtime
-
-_POLL_S = 0.1  # the longest a watcher's call waits in the syncer's process for news
-_CALL_TIMEOUT_S = 120.0
-
-
-_TAPE = "tape"  # a record that goes to the event tape, not to metrics.jsonl
-
-
-class _Records:
-  """The syncer's metrics writer in its process: records wait for the command's watcher."""
-
-  def __init__(self, taping: bool):
-    self._records: collections.deque = collections.deque()
-    self.news = threading.Condition()
-    self.taping = taping  # config.tape: the syncer's merges go to the command's event tape
-
-  def tape_event(self, kind: str, record: dict[str, Any]) -> None:
-    self.write(_TAPE, {"kind": kind, "record": record})
-
-  def write(self, kind: str, record: dict[str, Any], *, step: int | None = None,
-            scalars: dict[str, float] | None = None) -> None:
-    with self.news:
-      self._records.append((kind, record, step, scalars))
-      self.news.notify_all()
-
-  def take(self, timeout_s: float) -> list:
-    with self.news:
-      if not self._records:
-        self.news.wait(timeout_s)
-      records = list(self._records)
-      self._records.clear()
-    return records
-
+from decoupled_diloco.runtime.transport import ray_links
+from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
 
 class _TapeGate:
   """Holds the syncer's broadcasts until the command holds every merge record before them.
@@ -150,14 +115,13 @@ class SyncerProcess:
     from decoupled_diloco.runtime import assembly  # pylint: disable=g-import-not-at-top
     self._secret = secret
     self.rejected_calls = 0
-    self._records = _Records(settings.tape)
+    self._records = plumbing.Mailbox(records_wake=True, taping=settings.tape)
     self.syncer = assembly.make_local_syncer(settings, metrics=self._records)
     self._gate = _TapeGate(lambda: len(self.syncer.tape))
 
   def _check(self, mac: str, method: str, learner: int, incarnation: int, detail: str = ""
              ) -> bool:
-    expected = ray_runtime.sign(self._secret, method, learner, incarnation, detail)
-    if hmac.compare_digest(mac, expected):
+    if plumbing.mac_ok(self._secret, mac, method, learner, incarnation, detail):
       return True
     self.rejected_calls += 1
     logging.warning("syncer: rejected a %s call for learner %d without a valid MAC (not from this "
@@ -183,7 +147,7 @@ class SyncerProcess:
              anchor_versions: np.ndarray | None, mac: str) -> bool:
     if not self._check(mac, "attach", learner, incarnation):
       return False
-    link = _GatedLink(ray_runtime.ActorLearnerLink(actor, learner, incarnation, self._secret,
+    link = _GatedLink(ray_links.ActorLearnerLink(actor, learner, incarnation, self._secret,
                                                    len(self.syncer.model.fragments)), self._gate)
     self.syncer.attach(learner, link, step=step, incarnation=incarnation,
                        anchor_versions=anchor_versions)
@@ -202,7 +166,7 @@ class SyncerProcess:
     flushed = self.syncer.flush(timeout)
     # Its last merges' broadcasts go out at the command's next poll; the command stops the
     # learners after this returns, so they must be on their way first.
-    self._gate.wait_sent(_CALL_TIMEOUT_S if timeout is None else max(timeout, 1.0))
+    self._gate.wait_sent(plumbing.CALL_TIMEOUT_S if timeout is None else max(timeout, 1.0))
     return flushed
 
   def request_cut(self, timeout_s: float, include_tape: bool):
@@ -238,7 +202,7 @@ class SyncerProcess:
   def poll(self, tape_from: int, timeout_s: float) -> dict[str, Any]:
     """Since the last poll: metrics records, the tape's new entries, the counters, the error."""
     self._gate.command_holds(tape_from)
-    records = self._records.take(timeout_s)
+    _, records = self._records.take(timeout_s)
     syncer = self.syncer
     tape = syncer.tape[tape_from:]
     error = syncer.error
@@ -276,20 +240,20 @@ class RemoteSyncer:
     self._thread = threading.Thread(target=self._watch, name="watch-syncer", daemon=True)
     logging.info("syncer pid %d", self.pid)
 
-  def get(self, method: str, *args, timeout: float = _CALL_TIMEOUT_S):
+  def get(self, method: str, *args, timeout: float = plumbing.CALL_TIMEOUT_S):
     import ray  # pylint: disable=g-import-not-at-top
     return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
 
   # ---- what the controller calls ---------------------------------------------------------------
 
   def post(self, message: Any) -> None:
-    mac = ray_runtime.sign(self._secret, "post", getattr(message, "learner", -1),
+    mac = plumbing.sign(self._secret, "post", getattr(message, "learner", -1),
                            getattr(message, "incarnation", 0), type(message).__name__)
     self._actor.post.remote(message, mac)
 
   def attach(self, learner: int, link, step: int = 0, incarnation: int = 0,
              anchor_versions: np.ndarray | None = None) -> None:
-    mac = ray_runtime.sign(self._secret, "attach", learner, incarnation)
+    mac = plumbing.sign(self._secret, "attach", learner, incarnation)
     self.get("attach", learner, link.actor, step, incarnation, anchor_versions, mac)
 
   def start(self) -> None:
@@ -306,7 +270,8 @@ class RemoteSyncer:
     pass  # compiled in its process, at construction
 
   def flush(self, timeout: float | None = None) -> bool:
-    done = self.get("flush", timeout, timeout=(timeout or _CALL_TIMEOUT_S) + _CALL_TIMEOUT_S)
+    done = self.get("flush", timeout,
+                    timeout=(timeout or plumbing.CALL_TIMEOUT_S) + plumbing.CALL_TIMEOUT_S)
     self._raise_error()
     return done
 
@@ -384,35 +349,32 @@ class RemoteSyncer:
   @property
   def process_died(self) -> bool:
     """Its process died unplanned (the keeper then restores the syncer Ray restarts)."""
-    return isinstance(self.error, ray_runtime.ProcessDied)
+    return isinstance(self.error, plumbing.ProcessDied)
 
   def _raise_error(self) -> None:
     if self.error is not None:
       raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error
 
   def _watch(self) -> None:
-    while not self._stopped.is_set():
-      try:
-        status = self.get("poll", len(self.tape), _POLL_S)
-      except Exception as err:  # pylint: disable=broad-except
-        if not self._stopped.is_set():
-          self.error = ray_runtime.ProcessDied(
-              f"the syncer's process (pid {self.pid}) is gone ({type(err).__name__})")
-        return
-      if self._stopped.is_set():
-        return
-      self.tape.extend(status["tape"])
-      self.stats, self.clock = status["stats"], status["clock"]
-      self.rejected_calls = status["rejected_calls"]
-      for kind, record, step, scalars in status["records"]:
-        if kind == _TAPE:
-          self._metrics.tape_event(record["kind"], record["record"])
-        else:
-          self._metrics.write(kind, record, step=step, scalars=scalars)
-      if status["error"] is not None:
-        self.error = RuntimeError(status["error"])
-        return
+    plumbing.watch(self._stopped, lambda: self.get("poll", len(self.tape), plumbing.SYNCER_POLL_S),
+                   self._take, self._gone)
 
+  def _gone(self, err: Exception) -> None:
+    self.error = plumbing.ProcessDied(
+        f"the syncer's process (pid {self.pid}) is gone ({type(err).__name__})")
+
+  def _take(self, status: dict[str, Any]) -> bool:
+    """What a poll brought: False once there is nothing more to watch."""
+    if self._stopped.is_set():
+      return False
+    self.tape.extend(status["tape"])
+    self.stats, self.clock = status["stats"], status["clock"]
+    self.rejected_calls = status["rejected_calls"]
+    plumbing.forward_records(status["records"], self._metrics)
+    if status["error"] is not None:
+      self.error = RuntimeError(status["error"])
+      return False
+    return True
 
 def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> RemoteSyncer:
   """The syncer actor on CPU with its own devices; logs `syncer pid N`."""
@@ -426,16 +388,17 @@ def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> 
       runtime_env={"env_vars": env}).remote(settings, secret)
   # Its process builds and compiles before it answers: the time a restarted syncer and every
   # learner get (a plain call's 120 s ran out on a loaded 2-core host).
-  ray_runtime.wait_until_up(actor, "the syncer")
+  plumbing.wait_until_up(actor, "the syncer")
   made = RemoteSyncer(actor, secret, metrics)
   made.name = name  # another driver could look it up by this name (tests do)
   return made
 
 
-def restarted(crashed: RemoteSyncer, timeout_s: float = 5 * _CALL_TIMEOUT_S) -> RemoteSyncer:
+def restarted(crashed: RemoteSyncer, timeout_s: float = 5 * plumbing.CALL_TIMEOUT_S
+              ) -> RemoteSyncer:
   """The syncer after Ray restarted its process (a fresh syncer at the initial Theta); the
   keeper restores it."""
-  ray_runtime.wait_until_up(crashed._actor, "the syncer", timeout_s)  # pylint: disable=protected-access
+  plumbing.wait_until_up(crashed._actor, "the syncer", timeout_s)  # pylint: disable=protected-access
   made = RemoteSyncer(crashed._actor, crashed._secret, crashed._metrics,  # pylint: disable=protected-access
                       stats=crashed.stats, tape=crashed.tape)
   made.name = crashed.name
