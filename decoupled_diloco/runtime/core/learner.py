@@ -57,7 +57,6 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -66,21 +65,25 @@ from absl import logging
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import receive as receive_lib
-from decoupled_diloco.algorithm import schedule as schedule_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import lock_step
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import profiling
-# Importable from here as before: the transport names them as this module's.
+# Importable from here as before (the transport, the control loop and tpu_aot name them so).
 from decoupled_diloco.algorithm.receive import lower_merge_programs  # pylint: disable=unused-import
 from decoupled_diloco.runtime.core.agreement import HostShards  # pylint: disable=unused-import
 from decoupled_diloco.runtime.core.agreement import ProcessGroup
 from decoupled_diloco.runtime.core.agreement import assemble  # pylint: disable=unused-import
 from decoupled_diloco.runtime.core.agreement import host_array
 from decoupled_diloco.runtime.core.agreement import local_shards  # pylint: disable=unused-import
+from decoupled_diloco.runtime.core.learner_state import Counters
+from decoupled_diloco.runtime.core.learner_state import LearnerOptions
+from decoupled_diloco.runtime.core.learner_state import LearnerSnapshot
+from decoupled_diloco.runtime.core.learner_state import SyncerLink
 
 
 _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
@@ -88,63 +91,6 @@ _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it ser
 
 class NonFiniteLoss(RuntimeError):
   """A learner's step gave a loss that is NaN or inf: its state has diverged or is corrupted."""
-
-
-class SyncerLink(Protocol):
-  """The one call a learner makes on the syncer: a non-blocking post."""
-
-  def post(self, message: Any) -> None:
-    ...
-
-
-@dataclasses.dataclass
-class LearnerSnapshot:
-  """Host copy of a learner's whole state at a step boundary; restarts it where it stopped."""
-
-  step: int
-  train_state: inner.TrainState  # numpy leaves
-  data_state: Any  # the grain iterator's get_state()
-  counter_steps: np.ndarray  # [P]
-  counter_tokens: np.ndarray  # [P]
-  since: np.ndarray  # [P]
-  anchors: dict[str, np.ndarray]
-  anchor_versions: np.ndarray  # [P]
-  # Lock-step: per fragment, the barriers (rounds) it has taken part in; None = its versions. A
-  # rejoiner takes a peer's, so that it waits at the barrier the peer waits at.
-  offers_made: np.ndarray | None = None
-
-
-class Counters(NamedTuple):
-  """Per fragment: steps and tokens no applied merge has taken in, and the Theta_p versions held."""
-
-  steps: np.ndarray
-  tokens: np.ndarray
-  anchor_versions: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerOptions:
-  """One learner's share of the run's settings (`train.build` derives it; no defaults here)."""
-
-  num_steps: int
-  lock_step: bool
-  schedule: schedule_lib.SyncSchedule | None  # lock-step modes offer on their own schedule
-  alpha: float  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
-  # On receiving a merge, keep the steps no merge has taken yet: theta <- Theta + (those steps), and
-  # the counters keep them. False = the paper's plain overwrite, which drops them.
-  keep_in_flight_progress: bool
-  step_delay_s: float  # emulated slower hardware: each step takes its own time plus this
-  # Emulated step-time noise: after each step the learner also sleeps a number of seconds drawn
-  # uniformly from [0, 2 x this), from `noise_seed`'s own stream (mean this, std this / sqrt(3)).
-  step_noise_s: float
-  noise_seed: tuple[int, ...]
-  log_every: int
-  # Lock-step only: give up waiting for a merge after this long (config.stall_timeout_s).
-  wait_timeout_s: float
-  # (first, last) steps to trace with jax.profiler into profile_dir (config.profile_steps; learner
-  # 0 only); None = no trace.
-  profile_steps: tuple[int, int] | None
-  profile_dir: str
 
 
 class Learner:
@@ -200,7 +146,7 @@ class Learner:
     self._metrics = metrics
     self._step_hook = step_hook  # called as hook(learner, step) before each step; tests inject faults
     # Lock-step only: whether a failed peer is waiting for its repair. The barrier then waits for
-    # it by design, so that wait is not a stall (`_wait_for_due_merges`).
+    # it by design, so that wait is not a stall (`lock_step.wait_for_due_merges`).
     self._peer_repairing = peer_repairing
     num_fragments = len(self._fragments)
     if snapshot is None:
@@ -496,7 +442,7 @@ class Learner:
     if opts.lock_step:
       # A rejoined learner starts at the barrier its peers wait at (snapshot.offers_made): it
       # waits for that round's merge too, then all go on from the same Theta.
-      self._wait_for_due_merges()
+      lock_step.wait_for_due_merges(self)
     last_done = time.perf_counter()
     self.train_started_at = time.monotonic()
     while self.step < opts.num_steps and not self._stopping():
@@ -537,8 +483,8 @@ class Learner:
         jax.block_until_ready(step_metrics)
         time.sleep(opts.step_delay_s + opts.step_noise_s * 2 * noise.random())
       if opts.lock_step:
-        self._push_due_offers()
-        self._wait_for_due_merges()
+        lock_step.push_due_offers(self)
+        lock_step.wait_for_due_merges(self)
     self._stepping = False  # the last state is never donated: publications refer to it
     if in_flight is not None:
       self._complete(in_flight, last_done, self._state)
@@ -820,47 +766,3 @@ class Learner:
     logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has no "
                     "record of; overwriting", self.index, p, merged_step)
     return None, True
-
-  # ---- lock-step baselines ----------------------------------------------------------------------
-
-  def _push_due_offers(self) -> None:
-    """diloco / streaming: offer the fragments due after this step, without being asked."""
-    due = self._options.schedule.due_fragments(self.step)
-    if not due:
-      return
-    published = self._publish(self._state)
-    for p in due:
-      offer = self._offer_from(published, p)
-      with self._lock:
-        self._record_taken(offer)
-      self._offers_made[p] += 1
-      self._syncer.post(offer)
-
-  def _wait_for_due_merges(self) -> None:
-    """diloco / streaming: before step t+1, every fragment whose sync started at t - tau is back."""
-    schedule = self._options.schedule
-    start = self.step - schedule.overlap
-    if start < 1:
-      return
-    began = time.monotonic()
-    deadline = began + self._options.wait_timeout_s
-    try:
-      for p in schedule.due_fragments(start):
-        while self._anchor_versions[p] < self._offers_made[p]:
-          if self._stop.is_set():
-            return
-          now = time.monotonic()
-          if self._peer_repairing is not None and self._peer_repairing():
-            # A peer is down and the barrier waits for its repair, however long that takes: not
-            # a stall. The timeout counts again from when no peer is being repaired.
-            deadline = now + self._options.wait_timeout_s
-          if now > deadline:
-            raise TimeoutError(
-                f"learner {self.index}: merge of fragment {p} did not come back within "
-                f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
-          self._serve(timeout=0.05)
-    finally:
-      ended = time.monotonic()
-      self.barrier_wait_s += ended - began
-      if ended - began > 1e-3:
-        self.barrier_waits.append((began, ended))
