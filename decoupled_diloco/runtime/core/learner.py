@@ -13,7 +13,8 @@ step `since` where those steps start, and the host copy of the Theta_p it last r
 spec §5); with the delta broadcast (`runtime/core/global_model.py`) a broadcast may carry only the change
 from the anchor of version `base_version`, which the learner adds to its anchor when it holds that
 version and ignores otherwise. It also remembers every offer the syncer took, so that a broadcast,
-which names the offer it merged, tells it exactly which of its steps are now in Theta_p:
+which names the offer it merged, tells it exactly which of its steps are now in Theta_p (the
+rule, with Streaming DiLoCo's alpha mix, is algorithm/receive.py):
 
 - overwrite (the paper, alpha = 0): theta_p <- Theta_p; the steps made since the merged offer are
   dropped (counted in `discarded_fragment_steps`);
