@@ -21,9 +21,10 @@ from conftest import tiny_settings
 from conftest import wait_until
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.lm import inner
+from decoupled_diloco.runtime import train
+from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime import train
 
 P = 1
 
@@ -176,14 +177,14 @@ def test_a_process_gives_its_pieces_of_an_array_and_the_pieces_make_the_whole(bu
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   value = np.arange(24, dtype=np.float32).reshape(3, 8)
   tree = {"a": jax.device_put(value, sharded), "b": jax.device_put(value, replicated), "c": 3}
-  pieces = learner_lib.local_shards(tree)
+  pieces = agreement_lib.local_shards(tree)
   assert len(pieces["a"].pieces) == 2 and len(pieces["b"].pieces) == 1  # one copy of each
-  whole = learner_lib.assemble([pieces])
+  whole = agreement_lib.assemble([pieces])
   np.testing.assert_array_equal(whole["a"], value)
   np.testing.assert_array_equal(whole["b"], value)
   assert whole["c"] == 3
   # Two processes, each with one half: the halves make the whole; one half alone does not.
   halves = [dataclasses.replace(pieces["a"], pieces=(piece,)) for piece in pieces["a"].pieces]
-  np.testing.assert_array_equal(learner_lib.assemble([{"a": h} for h in halves])["a"], value)
+  np.testing.assert_array_equal(agreement_lib.assemble([{"a": h} for h in halves])["a"], value)
   with pytest.raises(ValueError, match="cover 12 of 24"):
-    learner_lib.assemble([{"a": halves[0]}])
+    agreement_lib.assemble([{"a": halves[0]}])

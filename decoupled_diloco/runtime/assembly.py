@@ -36,8 +36,10 @@ from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import tokenizers
+from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.runtime.hardware import device_memory
 from decoupled_diloco.runtime.hardware import memory_fit
@@ -78,7 +80,7 @@ def initial_params(settings: settings_lib.RunSettings, mesh
   """The model's graph and its initial parameters on the host: every learner is placed from them
   and the syncer's Theta starts at them (the same seed gives the same values on any mesh)."""
   graphdef, params = init_params(settings, mesh)
-  return graphdef, {n: learner_lib.host_array(v) for n, v in params.items()}
+  return graphdef, {n: agreement_lib.host_array(v) for n, v in params.items()}
 
 
 def make_learner(settings: settings_lib.RunSettings, index: int, *, train_step, state, shardings,
@@ -287,9 +289,9 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
   return train_step, state, shardings, iter(loader), seconds
 
 
-def learner_options(settings: settings_lib.RunSettings, index: int) -> learner_lib.LearnerOptions:
+def learner_options(settings: settings_lib.RunSettings, index: int) -> learner_state.LearnerOptions:
   sync = settings.sync
-  return learner_lib.LearnerOptions(
+  return learner_state.LearnerOptions(
       num_steps=settings.num_steps,
       lock_step=bool(sync and sync.lock_step),
       schedule=sync.schedule if sync else None,

@@ -33,17 +33,17 @@ from typing import Any
 import jax
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import receive
 from decoupled_diloco.lm import evaluate
 from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import sampling
-from decoupled_diloco.runtime.core import devices as devices_lib
-from decoupled_diloco.runtime.hardware import hlo_analysis
-from decoupled_diloco.runtime.core import learner as learner_lib
-from decoupled_diloco.runtime.hardware import memory_fit
-from decoupled_diloco.runtime.core import throughput
 from decoupled_diloco.runtime import assembly
+from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import throughput
+from decoupled_diloco.runtime.hardware import hlo_analysis
+from decoupled_diloco.runtime.hardware import memory_fit
 
 # The sampling step as scripts/sample.py runs it by default (top_k is compiled in).
 _SAMPLE_TOP_K = 40
@@ -299,7 +299,7 @@ def _apply_report(settings, like, shardings, usable, mesh, state_bytes, params_b
     stored = like.params[native]
     value = jax.ShapeDtypeStruct(stored.shape[1:] if layer is not None else stored.shape,
                                  stored.dtype, sharding=flat_shardings[name])
-    for which, program in learner_lib.lower_merge_programs(
+    for which, program in receive.lower_merge_programs(
         value, keep_in_flight_progress=settings.merge.keep_in_flight_progress,
         alpha=settings.merge.alpha).items():
       lowered.setdefault((which, value.shape, str(value.sharding.spec)), (program, 0))

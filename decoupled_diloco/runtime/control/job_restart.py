@@ -26,10 +26,11 @@ from typing import Any
 
 from absl import logging
 
+from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
+from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime.records import job_state
-from decoupled_diloco.runtime.core import learner as learner_lib
-from decoupled_diloco.runtime.core import metrics as metrics_lib
 
 
 class JobRestarter:
@@ -39,7 +40,7 @@ class JobRestarter:
                checkpoints: checkpoints_lib.Checkpoints | None,
                resumed_from: checkpoints_lib.RestoredCheckpoint | None,
                compile_step: Callable[[], Callable],
-               initial_state: Callable[[], learner_lib.LearnerSnapshot],
+               initial_state: Callable[[], learner_state.LearnerSnapshot],
                repaired_at: Callable[[int], float],
                max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
                clock: Callable[[], float] = time.monotonic):
@@ -103,7 +104,7 @@ class JobRestarter:
     logging.warning("the dp job failed at step %d (%r): it restarts from its newest checkpoint "
                     "once repaired", learner.step, learner.error)
 
-  def _newest_state(self, like) -> tuple[learner_lib.LearnerSnapshot, str]:
+  def _newest_state(self, like) -> tuple[learner_state.LearnerSnapshot, str]:
     """The newest checkpoint on disk, else the one the run resumed from, else the initial state."""
     if self._checkpoints is not None:
       self._checkpoints.wait()  # a write still in flight is the newest one

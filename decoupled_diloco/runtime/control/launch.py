@@ -28,7 +28,7 @@ from decoupled_diloco.runtime.control import run as run_lib
 from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.runtime.faults import checkpoint_faults
@@ -240,11 +240,11 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
 
     first_data = learners[0].published.data_state  # where the loader starts
 
-    def initial_state() -> learner_lib.LearnerSnapshot:
+    def initial_state() -> learner_state.LearnerSnapshot:
       """Step 0 made again from the seed, as a job restarted with no checkpoint makes it."""
       _, params = assembly.init_params(settings, learner_meshes[0])
       none = np.zeros(0, np.int64)  # dp has no fragments
-      return learner_lib.LearnerSnapshot(
+      return learner_state.LearnerSnapshot(
           step=0, train_state=inner.init_train_state(params, tx, learner_meshes[0], shardings0),
           data_state=first_data, counter_steps=none, counter_tokens=none, since=none, anchors={},
           anchor_versions=none)

@@ -13,7 +13,8 @@ step `since` where those steps start, and the host copy of the Theta_p it last r
 spec §5); with the delta broadcast (`runtime/core/global_model.py`) a broadcast may carry only the change
 from the anchor of version `base_version`, which the learner adds to its anchor when it holds that
 version and ignores otherwise. It also remembers every offer the syncer took, so that a broadcast,
-which names the offer it merged, tells it exactly which of its steps are now in Theta_p:
+which names the offer it merged, tells it exactly which of its steps are now in Theta_p (the
+rule, with Streaming DiLoCo's alpha mix, is algorithm/receive.py):
 
 - overwrite (the paper, alpha = 0): theta_p <- Theta_p; the steps made since the merged offer are
   dropped (counted in `discarded_fragment_steps`);
@@ -30,13 +31,8 @@ offered; the syncer's robust merge rejects it.
 `snapshot()` captures everything needed to start it again from the same point.
 
 A learner over several processes (`group`, one per host: runtime/transport/ray_runtime.py) is this same
-learner in every process, in lock-step. At every step boundary they agree on what changes their
-state: the leader proposes the takes the syncer made of its publications since the last boundary,
-the broadcasts it holds, a capture of the whole state (`capture`), a stop and a release, and every
-process does exactly that, in that order (`_boundary`). A pull does not wait for a boundary: the
-leader answers it from its latest publication (`offer`), as a learner of one process does, and the
-others give their pieces of the same publication (`offer_of`), which each process keeps among its
-last few.
+learner in every process, in lock-step; at every step boundary its processes agree on what changes
+their state (runtime/core/agreement.py).
 
 Memory beyond a data-parallel learner: the host copies of its anchors (4 bytes per parameter), and
 on its devices the fragments of the offers the syncer took and has not merged yet (the last one per
@@ -62,22 +58,28 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
-from decoupled_diloco.algorithm import schedule as schedule_lib
+from decoupled_diloco.algorithm import receive as receive_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import lock_step
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import profiling
+from decoupled_diloco.runtime.core.agreement import ProcessGroup
+from decoupled_diloco.runtime.core.agreement import host_array
+from decoupled_diloco.runtime.core.learner_state import Counters
+from decoupled_diloco.runtime.core.learner_state import LearnerOptions
+from decoupled_diloco.runtime.core.learner_state import LearnerSnapshot
+from decoupled_diloco.runtime.core.learner_state import SyncerLink
 
 
 _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
@@ -85,143 +87,6 @@ _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it ser
 
 class NonFiniteLoss(RuntimeError):
   """A learner's step gave a loss that is NaN or inf: its state has diverged or is corrupted."""
-
-
-class SyncerLink(Protocol):
-  """The one call a learner makes on the syncer: a non-blocking post."""
-
-  def post(self, message: Any) -> None:
-    ...
-
-
-class ProcessGroup(Protocol):
-  """The processes of a learner that spans several hosts (runtime/transport/ray_runtime.py): each runs this
-  same learner on its part of the learner's mesh, in lock-step, since every step is one program over
-  all of them. What may differ between them (which broadcasts and pulls have reached each, a stop
-  asked of the leader) is agreed at every step boundary: the leader, process 0, proposes, and all
-  of them apply the leader's proposal."""
-
-  leader: bool
-
-  def agree(self, proposal: dict[str, Any] | None) -> dict[str, Any]:
-    """All processes call this at the same boundary; each gets the leader's `proposal`."""
-    ...
-
-
-@dataclasses.dataclass(frozen=True)
-class HostShards:
-  """One process's host copy of its part of an array: the pieces it holds (one copy of each),
-  as (slices, values). `assemble` puts the parts of all processes together."""
-
-  shape: tuple[int, ...]
-  dtype: Any
-  pieces: tuple[tuple[tuple[tuple[int, int], ...], np.ndarray], ...]
-
-
-def local_shards(tree: Any) -> Any:
-  """`tree` with each jax.Array replaced by this process's `HostShards` of it."""
-  def one(x):
-    if not isinstance(x, jax.Array):
-      return x
-    pieces = []
-    for shard in x.addressable_shards:
-      if shard.replica_id != 0:
-        continue  # another device (perhaps of another process) gives this piece
-      bounds = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, x.shape))
-      pieces.append((bounds, np.asarray(shard.data)))
-    return HostShards(tuple(x.shape), x.dtype, tuple(pieces))
-  return jax.tree.map(one, tree)
-
-
-def assemble(parts: Sequence[Any]) -> Any:
-  """The host arrays whose `HostShards` the processes of a learner gave (`local_shards`)."""
-  def one(*leaves):
-    first = leaves[0]
-    if not isinstance(first, HostShards):
-      return first
-    out = np.empty(first.shape, first.dtype)
-    filled = 0
-    for leaf in leaves:
-      for bounds, values in leaf.pieces:
-        out[tuple(slice(a, b) for a, b in bounds)] = values
-        filled += values.size
-    if filled != out.size:
-      raise ValueError(f"the processes' pieces cover {filled} of {out.size} values of an array "
-                       f"of shape {first.shape}")
-    return out
-  return jax.tree.map(one, *parts, is_leaf=lambda x: isinstance(x, HostShards))
-
-
-def host_array(x: Any) -> np.ndarray:
-  """A host copy of the whole of `x`; of an array spread over several processes, gathered from all
-  of them (a collective: every process of the learner calls it at the same point)."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(jax.device_get(x))
-
-
-_MAX_AGREED = 32  # broadcasts one boundary of a multi-process learner applies at most
-# Publications a process of a multi-process learner other than the leader keeps at most. Each
-# boundary drops those older than the leader's latest (later pulls take from it or newer ones),
-# which leaves the few made since: at most a boundary's worth.
-_RECENT_PUBLICATIONS = 16
-_ARRIVAL_TIMEOUT_S = 120.0  # how long a process waits for a broadcast its leader applies
-
-
-def _broadcast_key(broadcast: messages.Broadcast) -> tuple[int, int, int]:
-  base = -1 if broadcast.base_version is None else int(broadcast.base_version)
-  return (int(broadcast.fragment), int(broadcast.version), base)
-
-
-@dataclasses.dataclass
-class LearnerSnapshot:
-  """Host copy of a learner's whole state at a step boundary; restarts it where it stopped."""
-
-  step: int
-  train_state: inner.TrainState  # numpy leaves
-  data_state: Any  # the grain iterator's get_state()
-  counter_steps: np.ndarray  # [P]
-  counter_tokens: np.ndarray  # [P]
-  since: np.ndarray  # [P]
-  anchors: dict[str, np.ndarray]
-  anchor_versions: np.ndarray  # [P]
-  # Lock-step: per fragment, the barriers (rounds) it has taken part in; None = its versions. A
-  # rejoiner takes a peer's, so that it waits at the barrier the peer waits at.
-  offers_made: np.ndarray | None = None
-
-
-class Counters(NamedTuple):
-  """Per fragment: steps and tokens no applied merge has taken in, and the Theta_p versions held."""
-
-  steps: np.ndarray
-  tokens: np.ndarray
-  anchor_versions: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerOptions:
-  """One learner's share of the run's settings (`train.build` derives it; no defaults here)."""
-
-  num_steps: int
-  lock_step: bool
-  schedule: schedule_lib.SyncSchedule | None  # lock-step modes offer on their own schedule
-  alpha: float  # theta <- alpha*theta + (1-alpha)*Theta on receive; 0 = overwrite
-  # On receiving a merge, keep the steps no merge has taken yet: theta <- Theta + (those steps), and
-  # the counters keep them. False = the paper's plain overwrite, which drops them.
-  keep_in_flight_progress: bool
-  step_delay_s: float  # emulated slower hardware: each step takes its own time plus this
-  # Emulated step-time noise: after each step the learner also sleeps a number of seconds drawn
-  # uniformly from [0, 2 x this), from `noise_seed`'s own stream (mean this, std this / sqrt(3)).
-  step_noise_s: float
-  noise_seed: tuple[int, ...]
-  log_every: int
-  # Lock-step only: give up waiting for a merge after this long (config.stall_timeout_s).
-  wait_timeout_s: float
-  # (first, last) steps to trace with jax.profiler into profile_dir (config.profile_steps; learner
-  # 0 only); None = no trace.
-  profile_steps: tuple[int, int] | None
-  profile_dir: str
 
 
 class Learner:
@@ -252,6 +117,7 @@ class Learner:
     self._turns = turns
     # A learner over several processes: every change of its state is agreed at a step boundary.
     self._group = group
+    self._agreement = agreement_lib.Agreement(self, group) if group is not None else None
     # 0 for the learner the run started; one more for each restart after a failure (spec §6).
     self.incarnation = incarnation
     # Shapes and shardings of the train state, not its arrays: a respawn places its state alike.
@@ -276,7 +142,7 @@ class Learner:
     self._metrics = metrics
     self._step_hook = step_hook  # called as hook(learner, step) before each step; tests inject faults
     # Lock-step only: whether a failed peer is waiting for its repair. The barrier then waits for
-    # it by design, so that wait is not a stall (`_wait_for_due_merges`).
+    # it by design, so that wait is not a stall (`lock_step.wait_for_due_merges`).
     self._peer_repairing = peer_repairing
     num_fragments = len(self._fragments)
     if snapshot is None:
@@ -308,19 +174,7 @@ class Learner:
     self._taken_counts: dict[int, dict[int, tuple[int, int]]] = {}
     self._tape_seq = 0  # this learner's events on the event tape so far
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
-    # A learner over several processes (`group`): the broadcasts taken from the inbox and not yet
-    # applied, the leader's takes since the last boundary (p, step, publication), each process's
-    # last publications ((step, index) -> publication) and captures of the whole state (boundary
-    # -> publication of host shards), and the stop and release agreed.
-    self._arrived: list[messages.Broadcast] = []
-    self._takes: list[tuple[int, int, int]] = []
-    self._recent: dict[tuple[int, int], messages.Publication] = {}
-    self._captures: dict[int, messages.Publication] = {}
-    self._boundaries = 0
-    self._agreed = threading.Condition()
     self._news = threading.Event()  # the leader has something to propose
-    self._agreed_stop = False
-    self._agreed_release = False
     self._finished = False  # made its last step: from then on merges keep unmerged steps
     self._stop = threading.Event()
     self._release = threading.Event()  # after num_steps: keep serving the syncer until released
@@ -353,7 +207,8 @@ class Learner:
     self._trace = (profiling.StepTrace(*options.profile_steps, options.profile_dir)
                    if options.profile_steps else None)
     self._published: messages.Publication = self._publication(self._state)
-    self._keep_recent(self._published)
+    if self._agreement is not None:
+      self._agreement.keep_recent(self._published)
     self._thread = threading.Thread(target=self._run, name=f"learner-{index}", daemon=True)
 
   # ---- called from other threads -------------------------------------------------------------
@@ -376,8 +231,8 @@ class Learner:
     offer = self._offer_from(published, p)
     with self._lock:
       self._record_taken(offer)
-      if self._group is not None:
-        self._takes.append((int(p), int(offer.step), int(offer.publication)))
+      if self._agreement is not None:
+        self._agreement.takes.append((int(p), int(offer.step), int(offer.publication)))
     return offer
 
   def deliver(self, broadcast: messages.Broadcast) -> None:
@@ -424,37 +279,13 @@ class Learner:
     the leader's `offer` just took from its own (this process makes it soon, if it has not yet).
     Not recorded as taken here: the leader's next proposal says so. None if this process has no
     such publication (any more) within `timeout_s`."""
-    key = (int(step), int(publication))
-    deadline = time.monotonic() + timeout_s
-    with self._agreed:
-      while key not in self._recent:
-        left = deadline - time.monotonic()
-        if (left <= 0 or self.error is not None or (self._recent and min(self._recent) > key)):
-          return None
-        self._agreed.wait(min(left, 0.5))
-      published = self._recent[key]
-    return dataclasses.replace(self._offer_from(published, p), publication=key[1])
+    return self._agreement.offer_of(p, step, publication, timeout_s)
 
   def capture(self, timeout_s: float, *, after: int = -1, boundary: int | None = None
               ) -> tuple[int, messages.Publication] | None:
     """(boundary, this process's capture of the whole state there): the one of `boundary`, or the
     first made after boundary `after` (asking for it). None if none within `timeout_s`."""
-    if boundary is None:
-      self.want_full_state(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    with self._agreed:
-      while True:
-        if boundary is not None and boundary in self._captures:
-          return boundary, self._captures[boundary]
-        if boundary is None:
-          newer = [b for b in self._captures if b > after]
-          if newer:
-            return max(newer), self._captures[max(newer)]
-        left = deadline - time.monotonic()
-        if left <= 0 or self.error is not None or (
-            boundary is not None and self._captures and min(self._captures) > boundary):
-          return None
-        self._agreed.wait(min(left, 0.5))
+    return self._agreement.capture(timeout_s, after=after, boundary=boundary)
 
   def wants_full_state(self) -> bool:
     """Whether someone asked for the whole state lately (`want_full_state`)."""
@@ -463,7 +294,7 @@ class Learner:
   @property
   def boundaries(self) -> int:
     """Step boundaries this learner's processes have agreed on so far."""
-    return self._boundaries
+    return 0 if self._agreement is None else self._agreement.boundaries
 
   def join(self, timeout: float | None = None) -> None:
     if self._thread.ident is not None:  # a late learner that never joined has nothing to end
@@ -636,7 +467,7 @@ class Learner:
     if opts.lock_step:
       # A rejoined learner starts at the barrier its peers wait at (snapshot.offers_made): it
       # waits for that round's merge too, then all go on from the same Theta.
-      self._wait_for_due_merges()
+      lock_step.wait_for_due_merges(self)
     last_done = time.perf_counter()
     self.train_started_at = time.monotonic()
     while self.step < opts.num_steps and not self._stopping():
@@ -645,7 +476,7 @@ class Learner:
       if self._trace is not None:
         self._trace.before_step(self.step)
       self._boundary()
-      if self._group is not None and self._agreed_stop:
+      if self._agreement is not None and self._agreement.stop:
         break  # a multi-process learner's leader was asked to stop: all stop here
       current = self._state  # after step self.step, merges applied (its step may still run)
       batch = next(self._batches)
@@ -677,8 +508,8 @@ class Learner:
         jax.block_until_ready(step_metrics)
         time.sleep(opts.step_delay_s + opts.step_noise_s * 2 * noise.random())
       if opts.lock_step:
-        self._push_due_offers()
-        self._wait_for_due_merges()
+        lock_step.push_due_offers(self)
+        lock_step.wait_for_due_merges(self)
     self._stepping = False  # the last state is never donated: publications refer to it
     if in_flight is not None:
       self._complete(in_flight, last_done, self._state)
@@ -766,20 +597,18 @@ class Learner:
 
   def _publish(self, state: inner.TrainState) -> messages.Publication:
     self._published = self._publication(state)
-    self._keep_recent(self._published)
+    if self._agreement is not None:
+      self._agreement.keep_recent(self._published)
     return self._published
 
-  def _keep_recent(self, published: messages.Publication) -> None:
-    """A process of a multi-process learner other than the leader keeps its publications from
-    the leader's latest one on (as of the last boundary), for the pulls the leader answers from
-    its own (`offer_of`)."""
-    if self._group is None or self._group.leader:
-      return
-    with self._agreed:
-      self._recent[(published.step, published.index)] = published
-      while len(self._recent) > _RECENT_PUBLICATIONS:  # a bound; boundaries drop them sooner
-        del self._recent[min(self._recent)]
-      self._agreed.notify_all()
+  def take_from(self, published: messages.Publication, p: int, publication: int
+                ) -> messages.Offer:
+    """The offer of fragment p from `published` (its `publication` index), recorded as taken: a
+    take another process of this learner made (agreed), or one a tape recorded (replayed)."""
+    offer = dataclasses.replace(self._offer_from(published, p), publication=publication)
+    with self._lock:
+      self._record_taken(offer)
+    return offer
 
   def _offer_from(self, published: messages.Publication, p: int) -> messages.Offer:
     names = self._fragments[p].names
@@ -795,91 +624,18 @@ class Learner:
         publication=published.index)
 
   def _stopping(self) -> bool:
-    return self._agreed_stop if self._group is not None else self._stop.is_set()
+    return self._agreement.stop if self._agreement is not None else self._stop.is_set()
 
   def _released(self) -> bool:
-    return self._agreed_release if self._group is not None else self._release.is_set()
+    return self._agreement.release if self._agreement is not None else self._release.is_set()
 
   def _boundary(self) -> int:
-    """Applies the merges that arrived; a learner over several processes returns how many
-    broadcasts it took.
-
-    A learner over several processes agrees first: the leader proposes the takes it made since
-    the last boundary, the broadcasts it has, whether to capture the whole state, a stop and a
-    release; every process then does exactly that, in that order, so that all keep the same state
-    and run the same programs.
-    """
-    if self._group is None:
+    """Applies the merges that arrived; a learner over several processes agrees on them first
+    (runtime/core/agreement.py) and returns how many broadcasts it took."""
+    if self._agreement is None:
       self._apply_arrived()
       return 0
-    self._take_inbox()
-    proposal = None
-    if self._group.leader:
-      with self._lock:
-        takes, self._takes = self._takes, []
-      # Later takes come from this publication or a newer one: the others keep no older ones.
-      keep_from = [self._published.step, self._published.index]
-      proposal = {"take": takes, "keep_from": keep_from,
-                  "apply": [_broadcast_key(b) for b in self._arrived[:_MAX_AGREED]],
-                  "capture": bool(time.monotonic() < self._full_until),
-                  "stop": self._stop.is_set(), "release": self._release.is_set()}
-    agreed = self._group.agree(proposal)
-    if not self._group.leader:
-      # The leader recorded its takes when it made them; the others record them now, before the
-      # broadcasts that may name them.
-      for p, step, publication in agreed["take"]:
-        published = self._recent.get((step, publication))
-        if published is None:
-          raise RuntimeError(f"learner {self.index}: the leader took fragment {p} from publication "
-                             f"{(step, publication)}, which this process no longer holds")
-        offer = dataclasses.replace(self._offer_from(published, p), publication=publication)
-        with self._lock:
-          self._record_taken(offer)
-      with self._agreed:
-        for key in [k for k in self._recent if k < tuple(agreed["keep_from"])]:
-          del self._recent[key]
-    for key in agreed["apply"]:
-      self._apply(self._arrived_broadcast(tuple(key)))
-    capture = None
-    if agreed["capture"]:
-      state = self._state
-      capture = dataclasses.replace(
-          self._publication(state, publishable=False), params=local_shards(dict(state.params)),
-          opt_state=local_shards(state.opt_state), state_step=local_shards(state.step))
-    with self._agreed:
-      self._boundaries += 1
-      if capture is not None:
-        self._captures[self._boundaries] = capture
-        while len(self._captures) > 3:
-          del self._captures[min(self._captures)]
-      self._agreed_stop = self._agreed_stop or agreed["stop"]
-      self._agreed_release = self._agreed_release or agreed["release"]
-      self._agreed.notify_all()
-    # Bounded: a broadcast the leader never proposes is one it had applied or skipped already.
-    self._arrived = [b for b in self._arrived if b.version > self._anchor_versions[b.fragment]]
-    return len(agreed["apply"])
-
-  def _take_inbox(self) -> None:
-    while True:
-      try:
-        self._arrived.append(self._inbox.get_nowait())
-      except queue.Empty:
-        return
-
-  def _arrived_broadcast(self, key: tuple[int, int, int]) -> messages.Broadcast:
-    """The broadcast the leader named (sent to every process of the learner at once)."""
-    deadline = time.monotonic() + _ARRIVAL_TIMEOUT_S
-    while True:
-      for i, broadcast in enumerate(self._arrived):
-        if _broadcast_key(broadcast) == key:
-          return self._arrived.pop(i)
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"learner {self.index}: the broadcast (fragment, version, base) = "
-                           f"{key} its leader applied never reached this process")
-      try:
-        self._arrived.append(self._inbox.get(timeout=0.05))
-      except queue.Empty:
-        pass
+    return self._agreement.boundary()
 
   def _serve(self, timeout: float) -> None:
     """Applies the merges that arrived (waiting up to `timeout` for one), then publishes."""
@@ -933,23 +689,17 @@ class Learner:
         # The anchor is R_p at the base version: the same float32 sum as the syncer's new R_p.
         theta_global = self._anchors[name] + theta_global
       now = self._layout.get(params, name)
+      offered = moved = None
       if keep and taken is not None:
-        # The merge took this learner's steps up to the offer: keep those after it. Progress is
-        # relative to an anchor, and the offer's may be older than the current one (a merge
-        # without this learner was applied since): theta <- Theta + (theta - A) - (theta_o - A_o).
-        base = theta_global
+        # The merge took this learner's steps up to the offer: keep those after it.
+        offered = taken.values[name]
         if taken.anchor_version != self._anchor_versions[p]:
-          base = theta_global - self._anchors[name] + taken.anchor[name]
-        merged = self._rebase(base, now, taken.values[name], name)
+          moved = (self._anchors[name], taken.anchor[name])
       elif keep:
-        # None of the unmerged steps is in this merge: move onto Theta_p and keep them all.
-        merged = self._rebase(theta_global, now, self._anchors[name], name)
-      else:
-        merged = jax.device_put(theta_global, self._flat_shardings[name])
-      if self._options.alpha:
-        merged = _mix(now, merged, self._options.alpha)
-      # Theta is float32; bfloat16 weights (config.model.param_dtype) stay bfloat16.
-      updates[name] = merged.astype(now.dtype) if merged.dtype != now.dtype else merged
+        offered = self._anchors[name]  # none of the unmerged steps is in this merge: keep them all
+      updates[name] = receive_lib.receive(
+          theta_global, now, alpha=self._options.alpha, sharding=self._flat_shardings[name],
+          offered=offered, anchors=moved, gather=host_array if self._finished else None)
       anchors[name] = theta_global
     self._state = self._state._replace(params=self._layout.set(params, updates))
     self._anchors = anchors
@@ -967,20 +717,6 @@ class Learner:
       self._counter_steps[p] = 0
       self._counter_tokens[p] = 0
       self._since[p] = self.step
-
-  def _rebase(self, base: np.ndarray, now: jax.Array, offered, name: str) -> jax.Array:
-    """base + (now - offered), placed like the parameter.
-
-    While training it runs on the learner's devices, queued behind the step in flight. After the
-    last step the state is complete and the devices idle: the host does it, which compiles nothing
-    (a device program would be compiled once per tensor shape and learner, for a handful of uses).
-    """
-    sharding = self._flat_shardings[name]
-    if self._finished:
-      now_host = np.asarray(host_array(now), np.float32)
-      return jax.device_put(base + (now_host - np.asarray(host_array(offered), np.float32)),
-                            sharding)
-    return _rebase(jax.device_put(base, sharding), now, jax.device_put(offered, sharding))
 
   def _record_taken(self, offer: messages.Offer) -> None:
     """Under the lock: the syncer took `offer`."""
@@ -1002,37 +738,6 @@ class Learner:
     self._metrics.tape_event(kind, {"learner": self.index, "incarnation": self.incarnation,
                                     "seq": self._tape_seq, **fields})
 
-  # ---- replay (runtime/records/event_tape.py): the state changes of `_train`, `offer` and `_apply`,
-  # ---- called one at a time in the order a tape recorded them, with no thread and no syncer -----
-
-  def replay_step(self) -> None:
-    """One training step on the next batch, as `_train` makes it."""
-    self._replaying = True
-    batch = next(self._batches)
-    self._took(batch)
-    self._state, _ = self._train_step(self._state, batch)
-    self.step += 1
-    self.steps_made += 1
-    self._counter_steps += 1
-    self._counter_tokens += int(batch["targets"].size)
-    self._data_state = self._data_position()
-    if self.step >= self._options.num_steps:
-      self._finished = True  # every merge applied from here on is one `_serve` applies
-
-  def replay_publication(self) -> messages.Publication:
-    """The publication of the state now (not published: a take names the one it came from)."""
-    return self._publication(self._state)
-
-  def replay_take(self, published: messages.Publication, p: int, index: int) -> messages.Offer:
-    """The offer of fragment p the syncer took from `published`, the tape's publication `index`."""
-    offer = dataclasses.replace(self._offer_from(published, p), publication=index)
-    with self._lock:
-      self._record_taken(offer)
-    return offer
-
-  def replay_apply(self, broadcast: messages.Broadcast) -> None:
-    self._apply(broadcast)
-
   def _took(self, batch: dict[str, np.ndarray]) -> None:
     """A batch taken from the loader: counted, and folded into the CRC of this incarnation's
     batches, which its takes put on the event tape (a replay on other data stops at once)."""
@@ -1047,28 +752,10 @@ class Learner:
   def data_crc(self) -> int:
     return self._data_crc
 
-  def replay_corrupt(self, corrupt: Callable[[jax.Array], jax.Array]) -> None:
-    """What a nan fault did to the output of the step just made (runtime/faults/injector.py)."""
-    self._state = self._state._replace(params=jax.tree.map(corrupt, self._state.params))
-
-  def replay_fail(self, batches_taken: int) -> None:
-    """The incarnation failed here, having taken `batches_taken` batches: its successor's loader
-    (the same one) goes on from there."""
-    if batches_taken < self.batches_taken:
-      raise ValueError(f"learner {self.index}: the tape says it failed after taking "
-                       f"{batches_taken} batches, the replay took {self.batches_taken} already")
-    while self.batches_taken < batches_taken:
-      next(self._batches)
-      self.batches_taken += 1
-
   def tape_respawn(self, **fields) -> None:
     """The supervisor made this incarnation: the first event on the tape of its."""
     with self._lock:
       self._tape_event("respawn", **fields)
-
-  def replay_finish(self) -> None:
-    """After the tape: the state now is the learner's published one (`params`)."""
-    self._publish(self._state)
 
   def _merged_record(self, p: int, merged_step: int | None
                      ) -> tuple[messages.Offer | None, bool]:
@@ -1104,78 +791,3 @@ class Learner:
     logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has no "
                     "record of; overwriting", self.index, p, merged_step)
     return None, True
-
-  # ---- lock-step baselines ----------------------------------------------------------------------
-
-  def _push_due_offers(self) -> None:
-    """diloco / streaming: offer the fragments due after this step, without being asked."""
-    due = self._options.schedule.due_fragments(self.step)
-    if not due:
-      return
-    published = self._publish(self._state)
-    for p in due:
-      offer = self._offer_from(published, p)
-      with self._lock:
-        self._record_taken(offer)
-      self._offers_made[p] += 1
-      self._syncer.post(offer)
-
-  def _wait_for_due_merges(self) -> None:
-    """diloco / streaming: before step t+1, every fragment whose sync started at t - tau is back."""
-    schedule = self._options.schedule
-    start = self.step - schedule.overlap
-    if start < 1:
-      return
-    began = time.monotonic()
-    deadline = began + self._options.wait_timeout_s
-    try:
-      for p in schedule.due_fragments(start):
-        while self._anchor_versions[p] < self._offers_made[p]:
-          if self._stop.is_set():
-            return
-          now = time.monotonic()
-          if self._peer_repairing is not None and self._peer_repairing():
-            # A peer is down and the barrier waits for its repair, however long that takes: not
-            # a stall. The timeout counts again from when no peer is being repaired.
-            deadline = now + self._options.wait_timeout_s
-          if now > deadline:
-            raise TimeoutError(
-                f"learner {self.index}: merge of fragment {p} did not come back within "
-                f"{self._options.wait_timeout_s} s (config.stall_timeout_s, lock-step mode)")
-          self._serve(timeout=0.05)
-    finally:
-      ended = time.monotonic()
-      self.barrier_wait_s += ended - began
-      if ended - began > 1e-3:
-        self.barrier_waits.append((began, ended))
-
-
-@jax.jit
-def _mix_impl(local, merged, alpha):
-  return alpha * local + (1.0 - alpha) * merged
-
-
-@jax.jit
-def _rebase(merged, now, offered):
-  """Theta + (theta_now - theta_offered): the merge, plus what the learner did since its offer."""
-  return merged + (now - offered)
-
-
-def lower_merge_programs(like: jax.ShapeDtypeStruct, *, keep_in_flight_progress: bool,
-                         alpha: float) -> dict[str, Any]:
-  """The programs the apply of a broadcast runs on one flat tensor placed like `like`, besides
-  writing it into the parameters (`ParamLayout.set`), lowered: the rebase that keeps in-flight
-  progress (config.merge.keep_in_flight_progress) and Streaming DiLoCo's mix (config.merge.alpha).
-  Overwrite on receive runs neither. For ahead-of-time compiles (runtime/tpu_aot.py)."""
-  theta = jax.ShapeDtypeStruct(like.shape, jnp.float32, sharding=like.sharding)
-  programs = {}
-  if keep_in_flight_progress:
-    programs["rebase"] = _rebase.lower(theta, like, theta)
-  if alpha:
-    programs["mix"] = _mix_impl.lower(like, theta, jnp.float32(alpha))
-  return programs
-
-
-def _mix(local, merged, alpha: float):
-  """Streaming DiLoCo's theta <- alpha*theta_local + (1-alpha)*Theta, on the learner's devices."""
-  return _mix_impl(local, merged, jnp.float32(alpha))

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 
 from decoupled_diloco.lm import inner
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import messages
 
 
 def rejoin_snapshot(theta: dict[str, np.ndarray], versions: np.ndarray,
                     layout, published: messages.Publication | None, failed_step: int,
                     init_opt_state: Callable[[Any], Any], offers_made: np.ndarray | None
-                    ) -> learner_lib.LearnerSnapshot:
+                    ) -> learner_state.LearnerSnapshot:
     """A restarted learner's state (spec §6): Theta as the learners received it (`theta`, at
     `versions`), a healthy peer's optimizer state and step from its publication (`published`; None:
     fresh optimizer state at the failed learner's step), no unmerged progress. Its loader keeps
@@ -32,7 +32,7 @@ def rejoin_snapshot(theta: dict[str, np.ndarray], versions: np.ndarray,
       step = failed_step
       opt_state, state_step = init_opt_state(params), np.int32(step)
     num_fragments = len(versions)
-    return learner_lib.LearnerSnapshot(
+    return learner_state.LearnerSnapshot(
         step=step,
         train_state=inner.TrainState(params=params, opt_state=opt_state, step=state_step),
         data_state=None,  # the loader keeps its own position

@@ -56,6 +56,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.faults import injector
+from decoupled_diloco.runtime.core import learner_replay
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import rejoin
 
@@ -257,17 +258,17 @@ class _LearnerCursor:
     for key, count in self.wanted.items():
       if count and key[:2] == (incarnation, step) and key[2] >= self.tag and (
           below is None or key[2] < below) and key not in self.kept:
-        publication = publication or self.learner.replay_publication()
+        publication = publication or learner_replay.publication(self.learner)
         self.kept[key] = publication
 
   def advance_to(self, step: int) -> None:
     while self.learner.step < step:
       self.keep_for(None)
       before = self.learner.step
-      self.learner.replay_step()
+      learner_replay.step(self.learner)
       if before in self.nan_steps:
         self.nan_steps.discard(before)
-        self.learner.replay_corrupt(injector.with_nan)
+        learner_replay.corrupt(self.learner, injector.with_nan)
       self.crcs.append(self.learner.data_crc)
       self.tag = 0
       self.check_crcs()
@@ -300,7 +301,7 @@ class _LearnerCursor:
     if incarnation == self.learner.incarnation and self.learner.step <= step and (
         self.learner.step < step or index >= self.tag):
       self.advance_to(step)
-      return self.learner.replay_publication()
+      return learner_replay.publication(self.learner)
     raise ReplayDiverged(f"learner {self.learner.index}: the tape names its publication {index} "
                          f"of step {step} (incarnation {incarnation}), which the replay does not "
                          f"hold (it is at step {self.learner.step}, incarnation "
@@ -420,7 +421,7 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
           published = cursor.publication(incarnation, event["step"], event["publication"])
           if exact and "data_crc" in event:
             cursor.expect_crc(event["batches"], event["data_crc"])
-          offer = cursor.learner.replay_take(published, p, event["publication"])
+          offer = learner_replay.take(cursor.learner, published, p, event["publication"])
           offers[(m, incarnation, p, offer.step, event["publication"])] = offer
           takes += 1
         elif event["kind"] == "apply":
@@ -442,8 +443,8 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
                 f"{'none of its offers' if expected is None else f'its step {expected}'}")
           cursor.keep_for(event["publications"])
           named = {} if event["merged"] is None else {m: event["merged"]}
-          cursor.learner.replay_apply(messages.Broadcast(p, event["version"],
-                                                         wire[(p, event["version"])], named))
+          learner_replay.apply(cursor.learner, messages.Broadcast(p, event["version"],
+                                                                  wire[(p, event["version"])], named))
           cursor.tag = event["publications"]
           applies += 1
         else:  # respawn: a new incarnation from Theta as received and a peer's state
@@ -456,7 +457,7 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
                                        event["peer_publication"])
           failed = cursor.learner
           cursor.advance_to(event["failed_step"])
-          failed.replay_fail(event["failed_batches"])
+          learner_replay.fail(failed, event["failed_batches"])
           theta = {}
           for p, v in enumerate(versions):
             theta.update(compression.decode_tree(wire[(p, v)]))
@@ -490,7 +491,7 @@ def replay(run, tape: Tape, now_settings: Mapping[str, str]) -> ReplayOutcome:
                          f"states it does not hold: {stuck}")
   for cursor in cursors.values():
     cursor.advance_to(num_steps)
-    cursor.learner.replay_finish()
+    learner_replay.finish(cursor.learner)
   logging.info("replayed %s: %d rounds (%d merges), %d takes, %d applies, %d respawns in %.1f s",
                tape.path, rounds, merged, takes, applies, respawns, time.perf_counter() - started)
   return ReplayOutcome(exact, changed, merged, rounds, takes, applies, respawns,

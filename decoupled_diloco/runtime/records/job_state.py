@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from decoupled_diloco.lm import inner
-from decoupled_diloco.runtime.records import checkpoints
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import messages
+from decoupled_diloco.runtime.records import checkpoints
 
 
 def learner_cut(index: int, incarnation: int, publication: messages.Publication,
@@ -37,13 +37,13 @@ def learner_cut(index: int, incarnation: int, publication: messages.Publication,
 
 
 def learner_snapshot(cut: checkpoints.LearnerCut, like: inner.TrainState
-                     ) -> learner_lib.LearnerSnapshot:
+                     ) -> learner_state.LearnerSnapshot:
   """The snapshot a learner object restores from (host arrays; `like` gives the optimizer
   state's structure)."""
   opt_state = cut.opt_state
   if isinstance(opt_state, list):  # read back from disk: the leaves in order
     opt_state = jax.tree.unflatten(jax.tree.structure(like.opt_state), opt_state)
-  return learner_lib.LearnerSnapshot(
+  return learner_state.LearnerSnapshot(
       step=int(cut.step),
       train_state=inner.TrainState(params=dict(cut.params), opt_state=opt_state,
                                    step=np.asarray(cut.state_step)),

@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco.runtime.core import handles
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.faults import injector as injector_lib
 from decoupled_diloco.runtime.transport import ray_links
@@ -211,8 +211,8 @@ class RemoteLearner:
   def mesh_devices(self) -> list[RemoteDevice]:
     return [RemoteDevice(self.device_kind)] * self.num_devices
 
-  def counters(self) -> learner_lib.Counters:
-    return learner_lib.Counters(*self._status.counters)
+  def counters(self) -> learner_state.Counters:
+    return learner_state.Counters(*self._status.counters)
 
   @property
   def offers_made(self) -> np.ndarray:
@@ -236,7 +236,7 @@ class RemoteLearner:
     cannot read a dead process's loader, so a resumed run may read those batches again."""
     return self.data_state
 
-  def respawn(self, snapshot: learner_lib.LearnerSnapshot) -> "RemoteLearner":
+  def respawn(self, snapshot: learner_state.LearnerSnapshot) -> "RemoteLearner":
     """The next incarnation, in this learner's process (Ray restarted it if it died)."""
     if snapshot.data_state is None:
       # A new process has a fresh loader: go on from the position the last publication had.

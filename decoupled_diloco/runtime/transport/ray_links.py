@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
 
@@ -101,7 +101,7 @@ class PendingGroup(messages.PendingAnswer):
       # Another process lost the publication or died. The leader recorded the take; a merge
       # without this offer treats its steps as not merged, as after any lost answer.
       return messages.Answer.UNREACHABLE
-    values = learner_lib.assemble([first.values, *pieces])
+    values = agreement_lib.assemble([first.values, *pieces])
     return dataclasses.replace(first, values={n: np.asarray(v, np.float32)
                                               for n, v in values.items()})
 
@@ -123,9 +123,9 @@ def gather_published(actors, full: bool, timeout_s: float, sign_call
     return None if full else dataclasses.replace(published, params={}, opt_state=None,
                                                  state_step=None)
   return dataclasses.replace(
-      published, params=learner_lib.assemble([part.params for part in parts]),
-      opt_state=learner_lib.assemble([part.opt_state for part in parts]),
-      state_step=learner_lib.assemble([part.state_step for part in parts]))
+      published, params=agreement_lib.assemble([part.params for part in parts]),
+      opt_state=agreement_lib.assemble([part.opt_state for part in parts]),
+      state_step=agreement_lib.assemble([part.state_step for part in parts]))
 
 class ActorLearnerLink:
   """The syncer's `LearnerLink` to a learner process (used in the syncer's process): signed actor

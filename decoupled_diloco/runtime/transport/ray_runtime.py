@@ -62,8 +62,9 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
-from decoupled_diloco.runtime.core import learner as learner_lib
+from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.transport import ray_learner
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
@@ -231,7 +232,7 @@ class LearnerProcess:
     self._check(mac, "offer", incarnation, f"{p}")
     answer = self._learner.offer(p, merged_through)
     if isinstance(answer, messages.Offer):
-      answer = dataclasses.replace(answer, values=learner_lib.local_shards(answer.values))
+      answer = dataclasses.replace(answer, values=agreement_lib.local_shards(answer.values))
     return answer
 
   def offer_piece(self, p: int, step: int, publication: int, incarnation: int, mac: str):
@@ -239,7 +240,7 @@ class LearnerProcess:
     its leader just answered a pull from; None if it does not hold that publication."""
     self._check(mac, "offer_piece", incarnation, f"{p}:{step}:{publication}")
     offer = self._learner.offer_of(p, step, publication, plumbing.CALL_TIMEOUT_S)
-    return None if offer is None else learner_lib.local_shards(offer.values)
+    return None if offer is None else agreement_lib.local_shards(offer.values)
 
   def group_published(self, full: bool, timeout_s: float, incarnation: int, mac: str):
     """The leader: (boundary, its capture of the whole state there) if `full` (asked for, within
@@ -306,7 +307,7 @@ class LearnerProcess:
       self._started = True
       self._learner.start()
 
-  def restore(self, snapshot: learner_lib.LearnerSnapshot, incarnation: int, mac: str) -> int:
+  def restore(self, snapshot: learner_state.LearnerSnapshot, incarnation: int, mac: str) -> int:
     """A rejoin: the next incarnation from `snapshot` (a fresh process, or one whose learner
     failed). Returns the process id."""
     if not plumbing.mac_ok(self._secret, mac, "restore", self._index, incarnation):
