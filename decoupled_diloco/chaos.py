@@ -1,4 +1,4 @@
-r"""Faults to inject, read from the config: `config.chaos.schedule` and random crashes (spec §6).
+r"""Faults to inject: `config.chaos.schedule` and random crashes (docs/failures.md).
 
 Pure: this module parses and checks the schedule text and draws random crashes from a seed. It
 does not inject anything: the runtime fires each fault through the path a real failure takes (a

@@ -97,7 +97,7 @@ class SyncerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SyncSettings:
-  """Effective sync settings after `config.mode` is resolved (spec §3-§4)."""
+  """Effective sync settings after `config.mode` is resolved (docs/design.md §3-§4)."""
 
   num_fragments: int  # P
   period: int  # H
@@ -426,7 +426,7 @@ def _replay(config, workdir: str, mode: str, runtime: str, chaos_settings: Chaos
           "config.tape=True")
   if os.path.abspath(replay) == os.path.abspath(workdir):
     _fail("replay", replay, "is config.workdir: a replay writes its own workdir, give it another")
-  # What a replay follows so far (issue 12): a decoupled run of learner threads, without faults.
+  # What a replay follows so far: a decoupled run of learner threads, without faults.
   if mode != "decoupled":
     _fail("replay", replay, f"replays decoupled runs only (config.mode={mode!r})")
   if runtime != "threads":
@@ -720,7 +720,7 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
     _fail("ray.address", address, "must be a string: '' (a local Ray started by the command), "
           "'auto' or a cluster address")
   if runtime == "ray":
-    # What the process runtime runs so far (issue 11): the rest fails here, named.
+    # What the Ray runtime runs so far (docs/ray.md): the rest fails here, named.
     if mode != "decoupled":
       _fail("runtime", runtime, f"runs mode='decoupled' only so far, not config.mode={mode!r}")
     other = sorted({f.kind for f in chaos_settings.faults} - set(RAY_FAULTS))

@@ -11,7 +11,8 @@ had run out of VMEM). remat=auto would pick dots_saveable (74% of HBM, a rooflin
 than full's 423 ms); full is kept for the headroom. Set
 `data.source` to ArrayRecord shards of your corpus made by scripts/prepare_data.py with a 256k
 tokenizer (the bundled byte corpus here only validates; vocab_size is Gemma's for sizing).
-Sync defaults are the paper's main-experiment values (spec §7): P = H = 24, tau = 2, K = 1, M = 8.
+Sync defaults are the paper's main-experiment values (docs/design.md §7): P = H = 24, tau = 2,
+K = 1, M = 8.
 """
 
 import pathlib

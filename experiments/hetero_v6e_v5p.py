@@ -1,4 +1,4 @@
-"""Reference config for heterogeneous hardware (spec §4): 4 learners on v6e-64 + 4 on v5p-64 slices.
+"""Heterogeneous hardware (docs/design.md §4): 4 learners on v6e-64 + 4 on v5p-64 slices.
 
 The paper's quorum / grace experiment: learners on two TPU generations step about 18% apart, the
 syncer merges with K = 1 and an adaptive grace window so that no learner waits. One controller sees

@@ -1,7 +1,7 @@
 r"""One learner at real size on whatever accelerator is here: dp vs decoupled vs a plain JAX step.
 
-Issue 15's benchmark. It runs, each in its own process (so host peak RSS and device peak memory are
-per run):
+The benchmark of docs/accelerators.md. It runs, each in its own process (so host peak RSS and
+device peak memory are per run):
   - `dp`: the framework in data-parallel mode;
   - `decoupled_identity`: decoupled with the outer step that is the identity (SGD lr 1, no
     momentum, keep_in_flight_progress, fp32 outer gradients). With one learner it must track dp:
@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 import framework_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 from decoupled_diloco.lm import flops as flops_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-# Model and data shapes. 201.6M: the H100 configuration of issue 15. 34m: the CPU host-memory
-# check of issue 15 (33.7M parameters). small: experiments/tiny_cpu.py's model.
+# Model and data shapes. 201.6M: the configuration for one H100. 34m: the CPU host-memory check
+# (33.7M parameters). small: experiments/tiny_cpu.py's model.
 SIZES = {
     "200m": {"model.embed_dim": 1024, "model.num_layers": 12, "model.num_heads": 16,
              "model.head_dim": 64, "model.mlp_dim": 4096, "model.max_seq_len": 1024,
@@ -238,7 +238,8 @@ def main():
   size, steps = SIZES[size_name], args.steps or DEFAULT_STEPS[size_name]
   common = {**size, "num_steps": steps, "eval_every": 0, "eval_batches": 2, "log_every": 25,
             "inner.warmup_steps": min(40, steps // 4), "num_learners": 1,
-            # Issue 15's settings (tiny_cpu's before study 7 raised them for its 0.28M model).
+            # tiny_cpu's settings before the quality study (docs/studies.md, "Quality gap to dp")
+            # raised them for its 0.28M model.
             "inner.learning_rate": 3e-3, "outer.momentum": 0.6,
             "learner_mesh_shapes": "((1,1),)", "devices.platform": platform,
             "devices.num_fake_cpu_devices": 2 if platform == "cpu" else 0,

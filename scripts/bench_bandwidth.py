@@ -4,7 +4,7 @@ Runs experiments/tiny_cpu.py (P = 24) with the outer gradients on the wire in bf
 the bytes the runtime really sends and receives per learner inner step, and compares them with a
 data-parallel worker's ring all-reduce of the same model's gradients (n = num_learners workers;
 each sends and receives 2 (n-1)/n N b bytes per step), for fp32 and bf16 gradients, all measured or
-computed in this run. Targets (issue 3): >= 24x (bf16, P = 24), >= 90x (int4).
+computed in this run. Targets: >= 24x (bf16, P = 24), >= 90x (int4).
 
   python scripts/bench_bandwidth.py
   python scripts/bench_bandwidth.py --num_steps=200 --formats=bf16,int8,int4
@@ -31,7 +31,7 @@ _NUM_STEPS = flags.DEFINE_integer("num_steps", 96, "Inner steps per learner (a m
 _OUT = flags.DEFINE_string("out", "results/bench_bandwidth", "Writes OUT.json and OUT.md.")
 
 # Theta goes back in bf16 for every row: the learners overwrite their fragment with it, and the
-# syncer keeps fp32. Integer formats are for outer gradients only (spec §5).
+# syncer keeps fp32. Integer formats are for outer gradients only (docs/design.md §5).
 _BROADCAST = "bf16"
 
 

@@ -1,4 +1,4 @@
-r"""One fault schedule, three modes: what each does with it (issue 9, the paper's claim).
+r"""One fault schedule, three modes: what each does with it (docs/failures.md).
 
   .venv/bin/python scripts/bench_chaos.py [--modes=decoupled,diloco,dp] [--num_steps=300]
   .venv/bin/python scripts/bench_chaos.py --config.runtime=ray --modes=decoupled \

@@ -7,7 +7,7 @@ with `syncer.num_workers` = W merges of different fragments run at once. This ti
 offering, and prints the learner step time the syncer can keep up with. No accelerator is used: the
 syncer is CPU-only by design.
 
-  python scripts/bench_merge.py                         # the 201.6M model of issue 15, P = 24
+  python scripts/bench_merge.py                         # bench_accelerator's 201.6M model, P = 24
   python scripts/bench_merge.py --learners=4 --workers=2 --outer_grad=bf16
 """
 

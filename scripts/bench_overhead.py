@@ -2,7 +2,7 @@ r"""Learner throughput with the syncer running vs the same learners with no sync
 
 Both variants are built in this process from the same config and run alternately (A B A B ...), so
 that machine noise hits both alike; the figure is the ratio of median learner steps/s, measured in
-the same run. Target (issue 3): >= 0.97.
+the same run. Target: >= 0.97.
 
   python scripts/bench_overhead.py                       # tiny_cpu, 3 pairs of 150-step runs
   python scripts/bench_overhead.py --repeats=5 --num_steps=300
@@ -12,7 +12,7 @@ threads and with learner processes (config.runtime=ray), and the figure is proce
 (written to results/bench_overhead_ray.json unless --out says otherwise).
 
 With `--tape` the pairs are the same run (syncer included) with config.tape off and on, and the
-figure is tape / no tape (results/bench_tape.json; issue 12's target: >= 0.99).
+figure is tape / no tape (results/bench_tape.json; target: >= 0.99).
 """
 
 import json

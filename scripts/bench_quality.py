@@ -2,7 +2,7 @@ r"""Final eval loss of dp vs decoupled (M = 4) vs diloco at equal tokens on the 
 
 Every mode runs experiments/tiny_cpu.py (same model, data, seed, token budget: dp steps on
 num_learners x batch_size sequences). The figure is decoupled's final eval loss relative to dp's,
-measured in the same run. Target (issue 3): decoupled within 1% of dp, every mode well below the
+measured in the same run. Target: decoupled within 1% of dp, every mode well below the
 bigram level (2.45 nats per byte).
 
   python scripts/bench_quality.py                        # 3 modes x 800 steps

@@ -1,4 +1,4 @@
-r"""Study 5 of issue 13: the compression ladder, both ways.
+r"""The compression ladder, both ways (docs/studies.md).
 
 Uplink: the outer gradients in fp32, bf16, int8, int4, int2 and int1 (`compression.outer_grad`;
 per-block absmax scales, see algorithm/compression.py), every arm with Theta_p broadcast in bf16.
@@ -11,7 +11,7 @@ to hold the delta's base), with int4 outer gradients.
 Bytes are what the runtime counted on the wire per learner step (up + down, merges during
 training; the final flush is left out), against one worker of a bf16-gradient data-parallel ring
 all-reduce over the same 4 workers (2 x 2 (n-1)/n x N x 2 bytes per step, scripts/bench_bandwidth.py).
-Goal (issue 13): >= 90x less than that DP with eval loss within 0.5% of bf16 both ways.
+Goal: >= 90x less than that DP with eval loss within 0.5% of bf16 both ways.
 
   python scripts/study_compression.py               # ~40 min on 2 cores (8 arms x 2 seeds)
 """

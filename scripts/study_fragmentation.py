@@ -1,5 +1,6 @@
-r"""Study 6 of issue 13: how the parameters are cut into fragments (config.sync.fragmentation):
-balanced (the paper's default), round_robin and layer_strided (Streaming DiLoCo's per-layer split).
+r"""Fragmentation (docs/studies.md): how the parameters are cut into fragments
+(config.sync.fragmentation): balanced (the paper's default), round_robin and layer_strided
+(Streaming DiLoCo's per-layer split).
 
 The fragment that travels sets a step's bytes, so the figure is the peak bytes between the learners
 and the syncer in one step (every merge that fell due at that step: offers up, Theta_p down to

@@ -1,4 +1,4 @@
-r"""Study 1 of issue 13: heterogeneous learners and the grace window (spec §4's table).
+r"""Heterogeneous learners and the grace window (docs/studies.md; docs/design.md §4's table).
 
 Paper: 4 learners on TPU v6e + 4 on v5p, steps about 18% apart, 10% extra step noise:
 

@@ -1,4 +1,4 @@
-r"""Study 3 of issue 13: the number of learners M at equal total tokens (paper at 1.2M chips, text
+r"""Number of learners (docs/studies.md): M at equal total tokens (paper at 1.2M chips, text
 average: M = 2 54.4, M = 4 55.0, M = 8 55.4; higher is better).
 
 The paper splits the same chips M ways, so each learner gets 1/M of the global batch and every
@@ -25,7 +25,7 @@ _NUM_STEPS, _SEEDS, _FRESH = sc.study_flags()
 
 GLOBAL_BATCH = 64  # sequences per step over all learners (tiny_cpu: 4 learners x 16)
 DEVICES = 8
-PAPER = {"M=2": 54.4, "M=4": 55.0, "M=8": 55.4}  # text average at 1.2M chips (spec §7)
+PAPER = {"M=2": 54.4, "M=4": 55.0, "M=8": 55.4}  # text average at 1.2M chips (docs/design.md §7)
 
 
 def arms() -> list[sc.Arm]:

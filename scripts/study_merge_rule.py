@@ -1,4 +1,4 @@
-r"""Study 4 of issue 13: the merge rule and the merge weights.
+r"""The merge rule and the merge weights (docs/studies.md).
 
 A. Rule, at M = 8 (paper, text average: plain weighted average 54.1, RDA + embedding average 55.4):
    `merge.rule=average` against the default `rda` (the embedding is averaged either way). Same

@@ -1,5 +1,5 @@
-r"""Study 7 of issue 13: the quality gap between decoupled and dp at equal tokens, and how far
-honest tuning closes it.
+r"""Quality gap to dp (docs/studies.md): the gap between decoupled and dp at equal tokens, and how
+far honest tuning closes it.
 
 Tuning reads only a validation split carved from the training text
 (`data.validation_fraction=0.05`, the same for every run, dp included); the eval split is read once

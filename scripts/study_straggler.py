@@ -1,6 +1,6 @@
-r"""Study 2 of issue 13: one learner twice as slow. Wall-clock time to reach a fixed eval loss for
-decoupled (K = 1 + grace), diloco (lock-step: every round waits for the slowest) and dp (one
-synchronous job: every step waits for its slowest host).
+r"""One 2x straggler (docs/studies.md): one learner twice as slow. Wall-clock time to reach a fixed
+eval loss for decoupled (K = 1 + grace), diloco (lock-step: every round waits for the slowest) and
+dp (one synchronous job: every step waits for its slowest host).
 
 The paper's promise: the fast learners are not held back. Here: tiny_cpu, 4 learners on 2 fake
 CPU devices each; learner 3 sleeps one learner step more per step (2x slower). dp runs on the same 8

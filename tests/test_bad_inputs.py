@@ -1,4 +1,4 @@
-"""A user's first hour (issue 30): every mistake a user can make on the command line of main.py or
+"""A user's first hour: every mistake a user can make on the command line of main.py or
 of a script ends in one line (plus at most a hint) that names the field or the flag, exit status 2,
 no traceback, and leaves the workdir, an earlier run's files and any earlier output as they were.
 

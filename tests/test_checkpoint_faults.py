@@ -1,5 +1,5 @@
 """corrupt_checkpoint@second=T: the newest checkpoint on disk is damaged; a resume skips it for the
-previous one and says why (issue 9, part 1)."""
+previous one and says why."""
 
 import time
 

@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.algorithm.compression: wire formats of outer gradients (spec §5)."""
+"""Tests for algorithm.compression: wire formats of outer gradients (docs/design.md §5)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Elastic restore (issue 30): a checkpoint of a 4-learner run resumes as a 2-learner and as an
+"""Elastic restore: a checkpoint of a 4-learner run resumes as a 2-learner and as an
 8-learner run, and on other learner meshes. Kept learners keep their state, new ones start from
 Theta and a peer's optimizer state, the syncer's state carries over, and the run ends no worse than
 an uninterrupted run by more than its seed-to-seed spread."""

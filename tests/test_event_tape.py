@@ -1,4 +1,4 @@
-"""The event tape and its replay (issue 12): a recorded decoupled run replays bit for bit; a tape
+"""The event tape and its replay: a recorded decoupled run replays bit for bit; a tape
 with an offer taken out is caught at the right merge; a counterfactual replay under another merge
 rule follows the same arrival pattern to other parameters."""
 

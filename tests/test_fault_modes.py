@@ -1,4 +1,4 @@
-"""The same faults in dp and lock-step modes, with their real consequence (issue 9, section 7).
+"""The same faults in dp and lock-step modes, with their real consequence (docs/failures.md).
 
 dp: a crash stops the whole job, which restarts from its newest checkpoint; the steps after it are
 lost and counted. diloco: every learner waits at the next barrier for the failed one, or, with

@@ -1,4 +1,4 @@
-"""Tests for algorithm.fragments: the split of the parameters into P fragments (spec §2)."""
+"""Tests for algorithm.fragments: the parameters split into P fragments (docs/design.md §2)."""
 
 import itertools
 
@@ -140,7 +140,8 @@ def test_balanced_exceeds_the_ideal_by_less_than_one_small_tensor_on_random_size
 
 def test_four_thirds_is_relative_to_the_optimum_not_the_ideal():
   # 4 equal tensors in 3 fragments: some fragment holds 2, so peak / ideal = 2 / (4/3) = 1.5 for any
-  # split. "Peak <= 4/3 of the ideal" (spec §2) needs many tensors that are small next to the ideal.
+  # split. The 4/3 bound is relative to the best possible peak (docs/design.md §2); "peak <= 4/3 of
+  # the ideal" needs many tensors that are small next to the ideal.
   fragments = fr.partition(_tensors({"a": 1, "b": 1, "c": 1, "d": 1}), 3, "balanced")
   assert fr.peak_to_ideal(fragments) == pytest.approx(1.5)
 

@@ -1,4 +1,4 @@
-"""The adaptive grace window of spec §4."""
+"""The adaptive grace window of docs/design.md §4."""
 
 import pytest
 

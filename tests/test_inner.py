@@ -198,7 +198,7 @@ def _train_step_program(num_layers: int, scan_layers: bool) -> str:
 
 @pytest.mark.parametrize("scan_layers, bounds", [(True, (1.0, 1.02)), (False, (3.0, 5.0))])
 def test_stacked_train_step_does_not_grow_with_depth(scan_layers, bounds):
-  """Issue 15 part 1: with stacked layers the optimizer too updates one array per tensor kind."""
+  """With stacked layers the optimizer too updates one array per tensor kind."""
   shallow, deep = (_train_step_program(n, scan_layers) for n in (4, 16))
   low, high = bounds
   assert low <= len(deep) / len(shallow) <= high, (len(shallow), len(deep))

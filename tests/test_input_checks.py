@@ -1,5 +1,5 @@
 """Nothing accepted silently, and short runs just work: a source that is not text or too small, a
-fault the run never reaches, a warmup longer than the run (issue 30, items 2 and 3)."""
+fault the run never reaches, a warmup longer than the run."""
 
 import json
 import os

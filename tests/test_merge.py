@@ -1,4 +1,4 @@
-"""Tests for algorithm.merge: learner weights, weighted average and RDA (spec §5)."""
+"""Tests for algorithm.merge: learner weights, weighted average and RDA (docs/design.md §5)."""
 
 import functools
 
@@ -205,7 +205,7 @@ def test_unknown_rules_name_the_config_field():
 
 
 def test_rda_sums_over_learners_without_reducing_the_learner_axis():
-  """Issue 15 (merges that keep up): XLA:CPU reduces the major (learner) axis of an [M, ...] tensor
+  """So that merges keep up: XLA:CPU reduces the major (learner) axis of an [M, ...] tensor
   with a stride of a whole tensor per element, 5-16 s for 2-4 learners' 2M-value tensors against
   10-80 ms for one add per learner. The merge program must hold no such reduction."""
   x_MxN = np.zeros((4, 64, 32), np.float32)

@@ -1,4 +1,4 @@
-"""A partition between one learner and the syncer, in the real runtime (issue 9, `partition`).
+"""A partition between one learner and the syncer, in the real runtime (a `partition` fault).
 
 For T seconds nothing reaches or leaves the learner: the syncer finds it silent (heartbeats) and
 merges without it, it trains on, and once the link is back its next report takes it back and the

@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.algorithm.outer: Θ_p ← OuterOpt(Θ_p, Δ) (spec §5)."""
+"""Tests for decoupled_diloco.algorithm.outer: Θ_p ← OuterOpt(Θ_p, Δ) (docs/design.md §5)."""
 
 import jax
 import jax.numpy as jnp

@@ -58,7 +58,7 @@ def test_decoupled_run_trains_merges_and_writes_its_summary(tmp_path):
   for key in ("mode", "num_learners", "tokens_trained", "final_eval_loss", "bytes_learner_syncer",
               "bytes_syncer_allreduce", "wall_seconds", "learner_steps", "merges"):
     assert key in on_disk
-  # The build split (issue 15) and where the time went.
+  # build_seconds split into its compiles: where the build time went.
   for key in ("init_compile_s", "train_compile_s", "eval_compile_s", "syncer_compile_s"):
     assert 0 < summary[key] < summary["build_seconds"], key
   assert summary["eval_seconds"] > 0 and summary["host_peak_rss_bytes"] > 0
@@ -161,7 +161,7 @@ def test_syncer_anchor_int4_and_mixing_run(tmp_path):
 
 
 def test_measured_bytes_per_step_match_the_bandwidth_model(tmp_path):
-  """Issue 4: the runtime's byte counters agree with sim.bandwidth for the same model and settings.
+  """The runtime's byte counters agree with sim.bandwidth for the same model and settings.
 
   With P = H one fragment is synced per inner step, so each round's bytes per learner are what the
   model charges a learner for one inner step of a model the size of that fragment.
@@ -211,7 +211,7 @@ def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_pa
     np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
 
 
-# ---- issue 7 and issue 15: the rounds around the merge ----------------------------------------------
+# ---- the rounds around the merge -----------------------------------------------------------------
 
 # The outer step that is the identity: Theta_p <- the learner's fragment, bit for bit up to float32
 # rounding. With one learner there is no asynchrony between learners, so decoupled must track dp.
@@ -225,7 +225,7 @@ _ONE_LEARNER = dict(num_learners=1, learner_mesh_shapes=((2, 1),), num_steps=48)
 def test_identity_outer_step_with_one_learner_tracks_dp_under_a_busy_syncer(tmp_path,
                                                                             merge_delay_s,
                                                                             scan_layers):
-  """Issue 15 part 0. P = H = 2 and tau = 1: a fragment falls due every step and comes back about
+  """P = H = 2 and tau = 1: a fragment falls due every step and comes back about
   when it falls due again, so pulls and broadcasts of the same fragment meet all the time; with
   merge_delay_s every merge also comes back late while the learner runs ahead. No step may be lost
   or merged twice, so the final loss equals dp's. With stacked layers the learner reads and writes
@@ -260,7 +260,7 @@ def test_identity_outer_step_with_one_learner_tracks_dp_under_a_busy_syncer(tmp_
 
 
 def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_left_out(tmp_path):
-  """Issue 7 finding 1: the flush merges every learner's last steps, whatever it last received,
+  """The flush merges every learner's last steps, whatever it last received,
   and every learner ends holding Theta (to float32 rounding: an offer anchored one version behind
   is rebased through Theta - A_now + A_offer, exact in reals, not in float32)."""
   run, summary = _run(tmp_path, learner_step_delays_s=(0.0, 0.0, 0.02, 0.0))
@@ -366,7 +366,7 @@ def test_a_validation_split_is_evaluated_beside_the_eval_split(tmp_path):
 
 
 def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path):
-  """Issue 7 finding 2: fragments fall due on the clock of the fastest learner still training."""
+  """Fragments fall due on the clock of the fastest learner still training."""
   period = 4
   run, summary = _run(tmp_path, learner_step_delays_s=(0.0, 0.0, 0.0, 0.08))
   slow_steps = [step for d in run.syncer.tape if not d["final"]
@@ -417,8 +417,8 @@ def _broken_syncer_run(tmp_path, *, fail_in: str):
 
 @pytest.mark.parametrize("fail_in", ["training", "flush"])
 def test_a_syncer_failure_reaches_the_caller_and_stops_every_learner(tmp_path, fail_in):
-  """Issue 7 finding 4, in training and in the final flush (whose rounds are the only ones opened
-  while the flush runs, whatever the machine's load)."""
+  """In training and in the final flush (whose rounds are the only ones opened while the flush
+  runs, whatever the machine's load)."""
   run = _broken_syncer_run(tmp_path / "run", fail_in=fail_in)
   with pytest.raises(RuntimeError, match="the syncer failed") as raised:
     train.execute(run, progress=False)
@@ -429,7 +429,7 @@ def test_a_syncer_failure_reaches_the_caller_and_stops_every_learner(tmp_path, f
 
 
 def test_syncer_memory_is_theta_and_the_outer_state_whatever_the_number_of_steps(tmp_path):
-  """Issue 15 part 2: between rounds the syncer holds Theta and the outer momentum, 8 bytes per
+  """Between rounds the syncer holds Theta and the outer momentum, 8 bytes per
   parameter, and nothing that grows with the steps."""
   held = []
   for num_steps in (48, 480):
@@ -442,7 +442,7 @@ def test_syncer_memory_is_theta_and_the_outer_state_whatever_the_number_of_steps
 
 
 def test_global_model_is_evaluated_on_a_learners_devices(tmp_path):
-  """Issue 15 part 3: never on the syncer's host CPU devices."""
+  """Never on the syncer's host CPU devices."""
   run = train.build(tiny_settings(tmp_path))
   evaluated_on = set(run.evaluator.mesh.devices.flat)
   assert evaluated_on == set(run.learners[0].mesh_devices)
@@ -453,9 +453,9 @@ def test_global_model_is_evaluated_on_a_learners_devices(tmp_path):
   dp.metrics.close()
 
 
-@pytest.mark.slow  # 25 s on CI: a throughput study (issue 15), kept out of the default run
+@pytest.mark.slow  # 25 s on CI: a throughput study, kept out of the default run
 def test_merges_keep_up_with_one_learner(tmp_path):
-  """Issue 15 part 4: before the flush, at least 95% of the merges that fell due have happened.
+  """Before the flush, at least 95% of the merges that fell due have happened.
   The default experiment's model and sync settings (P = H = 24, tau = 2), one learner."""
   from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
   config = tiny_cpu.get_config()
@@ -469,7 +469,7 @@ def test_merges_keep_up_with_one_learner(tmp_path):
 
 
 def test_pulls_are_answered_without_waiting_for_a_step_boundary(tmp_path):
-  """Issue 7 finding 5: a due fragment is taken from each learner's latest publication at once.
+  """A due fragment is taken from each learner's latest publication at once.
   With 0.1 s steps and every learner needed (K = 4), a pull served at the next step boundary would
   make the median quorum wait about half a step or more; here it is a small fraction of one, on
   this run's own step times (a loaded host stretches both)."""
@@ -481,7 +481,7 @@ def test_pulls_are_answered_without_waiting_for_a_step_boundary(tmp_path):
 
 
 def test_a_run_whose_learners_all_hang_fails_after_the_stall_timeout(tmp_path):
-  """Issue 7 risk: execute() had no bound while learners train."""
+  """execute() must not wait without bound while the learners train."""
   run = train.build(tiny_settings(tmp_path, stall_timeout_s=2.0))
 
   released = []
@@ -514,7 +514,7 @@ def _build_seconds_in_a_fresh_process(tmp_path, **overrides) -> float:
 
 @pytest.mark.slow  # 34 s on CI: two fresh processes that compile 4 and 16 layers
 def test_a_deep_stacked_model_builds_about_as_fast_as_a_shallow_one(tmp_path):
-  """Issue 15 part 1: with stacked layers, 16 layers build in at most 1.5x the time of 4 (the
+  """With stacked layers, 16 layers build in at most 1.5x the time of 4 (the
   unrolled default experiment: 2.6x). Each build runs in its own fresh process; two learners, so
   that the train steps' compile (what depth costs) outweighs the fixed costs (measured: stacked
   1.10x, unrolled 2.18x)."""

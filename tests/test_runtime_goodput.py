@@ -1,4 +1,4 @@
-"""Goodput of a real run (issue 9, part 7): each learner's wall time in the simulator's buckets."""
+"""Goodput of a real run: each learner's wall time in the simulator's buckets."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.algorithm.schedule: the staggered sync schedule (spec §3)."""
+"""Tests for algorithm.schedule: the staggered sync schedule (docs/design.md §3)."""
 
 import math
 
@@ -75,7 +75,7 @@ def test_at_most_ceil_tau_plus_one_times_p_over_h_fragments_in_flight(P, H, tau)
 
 
 def test_two_fragments_overlap_each_compute_step_at_the_paper_defaults():
-  # P = H = 24, τ = 2 (spec §3: "about two fragments in flight at once"): while inner step t
+  # P = H = 24, τ = 2 (docs/design.md §3: "about two fragments are in flight"): while inner step t
   # computes, the syncs started after steps t-2 and t-1 are still travelling.
   schedule = SyncSchedule(24, 24, 2)
   for t in range(3, 100):

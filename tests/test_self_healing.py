@@ -1,4 +1,4 @@
-"""Faults injected into the real runtime and the learners' rejoin (spec §6, issue 9).
+"""Faults injected into the real runtime and the learners' rejoin (docs/design.md §6).
 
 Each test runs the tiny config for real (learner threads on fake CPU meshes, the syncer) with
 faults from `config.chaos` or a failing step hook, and checks an invariant the recovery promises.

@@ -1,4 +1,4 @@
-"""Tests for decoupled_diloco.sim: the failure simulator behind the goodput table (spec §7)."""
+"""Tests for sim: the failure simulator behind the goodput table (docs/design.md §7)."""
 
 import dataclasses
 import math

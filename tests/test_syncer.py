@@ -400,7 +400,7 @@ def test_clock_goes_on_with_the_fastest_learner_still_training(running):
 
 
 def test_a_learner_attached_mid_run_takes_part_from_the_next_round(running):
-  """Issue 7 risk: attach() from another thread while the syncer runs (rejoin, scavenging)."""
+  """attach() from another thread while the syncer runs (a rejoin or a late learner)."""
   syncer, (a, _) = _syncer(num_learners=3, attached=2, period=2)
   p = 1
   a.answers[p] = lambda merged_through: _offer(syncer, 0, p, 1.0, step=merged_through + 2,
@@ -680,7 +680,7 @@ def test_a_restarted_syncer_marks_the_merges_its_predecessor_took_down_with_it_l
 
 def test_a_learner_that_stops_reporting_is_absent_after_the_timeout_and_back_when_it_reports(
     running, tmp_path):
-  """Heartbeats (issue 9): with K = 2 of 2, a silent learner holds a round only until its
+  """Heartbeats: with K = 2 of 2, a silent learner holds a round only until its
   heartbeat timeout; then the round closes with the other's quorum, the silent one is not asked
   (an offer it makes meanwhile is not merged), and its next report takes it back. The syncer's
   clock moves only when the test says, so silence is measured, not the host's speed."""

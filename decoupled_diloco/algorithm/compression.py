@@ -1,9 +1,10 @@
-"""Host-side wire formats for outer gradients and fragment values (spec §5).
+"""Host-side wire formats for outer gradients and fragment values (docs/design.md §5).
 
 Outer gradients may travel compressed: bf16 by default; int4 was reported nearly lossless, while
 the paper reports that 2-bit and 1-bit outer gradients make training collapse. int2 and int1 are
-offered anyway, to measure that here (the compression ladder, issue 13), and as formats of the
-delta broadcast (`runtime/core/global_model.py`), where the error of one delta is carried by the next.
+offered anyway, to measure that here (the compression ladder in docs/studies.md), and as formats of
+the delta broadcast (`runtime/core/global_model.py`), where the error of one delta is carried by the
+next.
 ``Encoded.payload`` is exactly what would travel; its byte count is what the bandwidth accounting
 charges. Shape and format are metadata every side already knows (the fragment layout is fixed), so
 they are not counted.

@@ -1,4 +1,4 @@
-"""Split the parameters into P non-overlapping fragments of whole tensors (spec §2).
+"""Split the parameters into P non-overlapping fragments of whole tensors (docs/design.md §2).
 
 Each fragment is synced on its own staggered schedule (Streaming DiLoCo, arXiv 2501.18512), so at
 any step only about 1/P of the model travels. The fragments should therefore be of near-equal byte
@@ -7,9 +7,9 @@ size: the largest one sets the peak bandwidth. Three ways to split are offered:
 - ``balanced`` (the paper's default, "balanced tensor fragmentation"): greedy largest-first bin
   packing of whole tensors into P bins (Graham's LPT rule). Its peak is at most (4/3 - 1/(3P)) times
   the best possible peak, and at most total/P + (1 - 1/P)·s_{P+1} (s_{P+1}: the (P+1)-th largest
-  tensor) unless it is a single tensor. Note that "4/3 of the ideal total/P" (spec §2) only holds
-  when the tensors are many and small: 4 equal tensors in 3 fragments cannot do better than 1.5x the
-  ideal.
+  tensor) unless it is a single tensor. The 4/3 bound is relative to the best possible peak, not to
+  the ideal total/P (docs/design.md §2): 4 equal tensors in 3 fragments cannot do better than 1.5x
+  the ideal.
 - ``round_robin``: tensors sorted by name, dealt out in turn. Simple, but blind to size.
 - ``layer_strided``: Streaming DiLoCo's per-layer split, layer i in fragment i % P; tensors outside
   the layers (embedding, final norm, ...) go one by one to the currently lightest fragment.
@@ -45,7 +45,7 @@ class Fragment:
     names: flat parameter names in this fragment, sorted.
     nbytes: total bytes of the fragment's tensors in their own dtypes.
     embedding_names: the names in this fragment that are merged by a plain weighted average
-      instead of RDA (the token embedding, spec §5).
+      instead of RDA (the token embedding, docs/design.md §5).
     sizes: element count of each tensor, aligned with ``names``.
   """
 

@@ -1,4 +1,4 @@
-"""The adaptive grace window of spec §4, as pure functions over exponential moving averages.
+"""The adaptive grace window (docs/design.md §4), as pure functions over moving averages.
 
 After a fragment's quorum is reached the syncer may wait a little longer to admit more learners, but
 only inside the slack that the tau-step overlap leaves, so that no learner is ever blocked:
@@ -33,7 +33,7 @@ class Ema:
 
 def grace_window(*, overlap: int, step_time: float, quorum_time: float, sync_time: float,
                  gamma: float, cap: float) -> float:
-  """Seconds the syncer may wait after quorum: clamp(gamma * slack, 0, cap) (spec §4)."""
+  """Seconds the syncer may wait after quorum: clamp(gamma * slack, 0, cap) (docs/design.md §4)."""
   slack = overlap * step_time - (quorum_time + sync_time)
   return min(max(gamma * slack, 0.0), cap)
 

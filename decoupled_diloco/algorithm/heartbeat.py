@@ -1,4 +1,4 @@
-"""Who is absent: heartbeat detection of learners that stopped reporting (issue 9, detection).
+"""Who is absent: heartbeat detection of learners that stopped reporting (docs/design.md §6).
 
 Every inner step a learner reports to the syncer (`StepReport`); those reports are its heartbeat.
 A learner whose last report is older than its timeout is *absent*: the syncer no longer counts it

@@ -1,13 +1,13 @@
-"""Merge the learners' outer gradients of one fragment into one update (spec §5).
+"""Merge the learners' outer gradients of one fragment into one update (docs/design.md §5).
 
 All functions are pure ``jnp`` code over pytrees, jittable, and work on a STACKED learner axis: the
 outer gradients of M learners for one fragment are ``{name: array[M, ...]}`` and their weights
 ``w_M``. A learner that is absent from a round simply has weight 0 and changes nothing.
 
-Everything is computed in float32 whatever the input dtype (spec §5: "accumulate in fp32"). Norms
-are taken over a whole tensor, not per row. Divisions by a weight sum or a norm that may be 0 go
-through ``jnp.where`` on both sides, so neither the value nor its gradient ever becomes NaN under
-jit.
+Everything is computed in float32 whatever the input dtype (docs/design.md §5: "Everything is
+accumulated in float32"). Norms are taken over a whole tensor, not per row. Divisions by a weight
+sum or a norm that may be 0 go through ``jnp.where`` on both sides, so neither the value nor its
+gradient ever becomes NaN under jit.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def learner_weights(tokens_M, steps_M, rule: str) -> jax.Array:
 def outer_gradient(anchor: PyTree, local: PyTree) -> PyTree:
   """Δ = anchor - θ_local, leaf by leaf, in float32.
 
-  The anchor is the global value the learner started from (spec §5); Δ points from where the learner
-  ended back to where it began, so it is used as a *gradient* by the outer optimizer.
+  The anchor is the global value the learner started from (docs/design.md §5); Δ points from where
+  the learner ended back to where it began, so it is used as a *gradient* by the outer optimizer.
   """
   return jax.tree.map(
       lambda a, x: jnp.asarray(a, jnp.float32) - jnp.asarray(x, jnp.float32), anchor, local
@@ -91,7 +91,7 @@ def _weighted_sum(w_M, x_MxN):
   # precision by default, and these sums are the very values the outer step is applied with. One
   # add per learner (M is static and small) rather than jnp.sum(axis=0): XLA:CPU reduces a major
   # axis with a stride of the whole tensor per element, measured 5-16 s for 2-4 learners' 2M-value
-  # tensors against 10-80 ms this way (issue 15, merges that keep up).
+  # tensors against 10-80 ms this way, so that merges keep up with the learners.
   total = w_M[0] * x_MxN[0]
   for m in range(1, x_MxN.shape[0]):
     total = total + w_M[m] * x_MxN[m]
@@ -108,7 +108,7 @@ def _stacked_f32(delta_MxN: PyTree, w_M) -> tuple[PyTree, jax.Array]:
 def weighted_average(delta_MxN: PyTree, w_M) -> PyTree:
   """Δ = Σ_m w_m Δ_m / Σ_m w_m over the leading learner axis of every leaf; 0 when Σ w = 0.
 
-  Used for the token-embedding fragment (spec §5), and as the "plain averaging" baseline.
+  Used for the token-embedding fragment (docs/design.md §5), and as the "plain averaging" baseline.
   """
   delta_MxN, w_M = _stacked_f32(delta_MxN, w_M)
   w_sum = jnp.sum(w_M)
@@ -123,7 +123,7 @@ def _rda_leaf(x_MxN, w_M):
 
 
 def rda(delta_MxN: PyTree, w_M) -> PyTree:
-  """Radial-Directional Averaging, per tensor (spec §5):
+  """Radial-Directional Averaging, per tensor (docs/design.md §5):
 
     Δ = (Σ_m w_m ‖Δ_m‖ / Σ_m w_m) · φ(Σ_m w_m φ(Δ_m) / Σ_m w_m),   φ(x) = x / ‖x‖, φ(0) = 0.
 
@@ -195,7 +195,7 @@ def merge_fragment(
 
   ``rule`` (``config.merge.rule``) is ``"rda"`` or ``"average"``. Names in ``average_names`` (the
   token embedding) always use the weighted average: the paper merges the embedding fragment by
-  weighted average and all others by RDA (spec §5).
+  weighted average and all others by RDA (docs/design.md §5).
   """
   if rule not in MERGE_RULES:
     raise ValueError(f"config.merge.rule={rule!r} must be one of {MERGE_RULES}")

@@ -1,4 +1,4 @@
-"""The outer optimizer: Θ_p ← OuterOpt(Θ_p, Δ) per fragment (spec §5).
+"""The outer optimizer: Θ_p ← OuterOpt(Θ_p, Δ) per fragment (docs/design.md §5).
 
 The merged outer gradient Δ = anchor - θ_local is fed to an ordinary optax transformation as if it
 were a gradient. With SGD at learning rate 1 and no momentum this gives Θ - Δ = θ_local: the

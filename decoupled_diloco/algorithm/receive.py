@@ -1,4 +1,4 @@
-"""What a learner does with its fragment p when the merged Θ_p arrives (spec §5).
+"""What a learner does with its fragment p when the merged Θ_p arrives (docs/design.md §5).
 
 - overwrite (the paper, α = 0): θ_p ← Θ_p. The steps the learner made since the offer the merge
   took are dropped.

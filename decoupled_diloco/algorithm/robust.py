@@ -1,4 +1,4 @@
-"""Robust merge: which learners' outer gradients a merge of fragment p may take in (issue 9).
+"""Robust merge: which outer gradients a merge of fragment p may take in (docs/design.md §6).
 
 A learner that diverged, or whose devices corrupted its state, offers an outer gradient
 Delta_m = anchor - theta_m that is not finite or far larger than its peers'. One such offer would

@@ -1,4 +1,4 @@
-"""When each fragment is synced: the staggered schedule of Streaming DiLoCo (spec §3).
+"""When each fragment is synced: the staggered schedule of Streaming DiLoCo (docs/design.md §3).
 
 Each of the P fragments is synced every H inner steps, the fragments evenly staggered so that the
 communication load is spread over the period: fragment p's phase is offset(p) = p·H/P. With

@@ -1,4 +1,4 @@
-"""Where each learner's wall time went, and the run's goodput and uptime (issue 9, part 7).
+"""Where each learner's wall time went, and the run's goodput and uptime.
 
 Pure: fed by timestamps the runtime records (step intervals, failure, repair and first-step times,
 hangs), it splits every second of a learner's window into exactly one bucket, so the buckets of a

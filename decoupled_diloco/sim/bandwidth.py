@@ -1,4 +1,4 @@
-"""Cross-datacenter bandwidth and wall-clock model: synchronous DP vs Decoupled DiLoCo (spec §7).
+"""Cross-datacenter bandwidth and wall-clock: DP vs Decoupled DiLoCo (docs/design.md §7).
 
 Notation: N parameters, t = inner step time (s), D datacenters, P fragments, H sync period (steps),
 τ overlap (steps a fragment's sync may take), b bits per value on the wire.

@@ -34,8 +34,8 @@ class ClusterParams:
   (see the simulator's README section); they are not fitted per cell.
   """
 
-  # Per-chip mean time between interruptions, in years. The paper's scenario (spec §7): 1 year.
-  # The question asked, not one of the six unpublished parameters.
+  # Per-chip mean time between interruptions, in years. The paper's scenario (docs/design.md §7): 1
+  # year. The question asked, not one of the six unpublished parameters.
   mtbi_years: float = 1.0
   # Chips per slice: the granularity at which hardware fails, is repaired and is scheduled. 256 is
   # one TPU v5e / v6e pod (a 16x16 ICI torus).

@@ -1,4 +1,4 @@
-"""Goodput of whole systems on an N-chip cluster: DP, elastic DP and Decoupled DiLoCo (spec §7).
+"""Goodput of DP, elastic DP and Decoupled DiLoCo on an N-chip cluster (docs/design.md §7).
 
 Each system is simulated from its own mechanics, never derived from another system's result:
   * `dp`: one non-elastic data-parallel job over all N chips (`dp_job`): any failure stops
@@ -32,10 +32,10 @@ class DecoupledOptions:
   """Decoupled-only knobs; the defaults add nothing to the elastic learner mechanics."""
 
   # Steps after each pause during which a learner trains on stale fragments, until the syncer's
-  # broadcasts have refreshed every fragment: one sync period, H = 24 steps (spec §6).
+  # broadcasts have refreshed every fragment: one sync period, H = 24 steps (docs/design.md §3).
   rejoin_stale_steps: int = 24
   # Share of those steps' work that does not count. 0: none (the paper's token weights already give
-  # such steps a small say in the merge, spec §6).
+  # such steps a small say in the merge, docs/design.md §6).
   rejoin_discount: float = 0.0
 
 

@@ -1,4 +1,4 @@
-"""The paper's published figures (spec §7), for side-by-side comparison only.
+"""The paper's published figures (docs/design.md §7), for side-by-side comparison only.
 
 No simulator module imports this file (a test checks it): the paper's numbers are never an input.
 """

@@ -198,7 +198,7 @@ def _job_restart_summary(run: run_lib.Run, tokens_per_step: int) -> dict[str, An
 
 def _fault_summary(run: run_lib.Run, tape, incarnations, steps_made,
                    tokens_per_step: Sequence[int]) -> dict[str, Any]:
-  """Faults, restarts and where every token went (spec §6)."""
+  """Faults, restarts and where every token went (docs/design.md §6)."""
   supervisor, stats = run.supervisor, run.syncer.stats
   history = run.history
   failures = [dict(f) for f in history["failures"]] + (

@@ -1,4 +1,4 @@
-"""Restarts failed learners as new incarnations on their own meshes (spec §6, rejoin).
+"""Restarts failed learners as new incarnations on their own meshes (docs/design.md §6, rejoin).
 
 Decoupled and lock-step modes alike; in a lock-step mode the rejoiner also takes the barrier its
 peer waits at (`LearnerSnapshot.offers_made`). dp mode restarts the whole job instead
@@ -21,10 +21,11 @@ now for a failure that took no device down), and starts the next incarnation:
 The failed incarnation's state is never read again: only its host-side counters, to account for
 what it lost. Each restart is a record in `records` and a `rejoin` line in metrics.jsonl.
 
-A late learner (`config.late_learners`) joins through the same path (spec §6, scavenging): it is
-built but neither started nor attached to the syncer, waits like a failed learner whose devices
-come back at its `join@` second, then starts from a peer's state and Theta as incarnation 1. Its
-record is a `join` fault (`on_join`), not a failure: it lost nothing.
+A late learner (`config.late_learners`, a scavenged slice: docs/failures.md) joins through the same
+path as a rejoin (docs/design.md §6): it is built but neither started nor attached to the syncer,
+waits like a failed learner whose devices come back at its `join@` second, then starts from a peer's
+state and Theta as incarnation 1. Its record is a `join` fault (`on_join`), not a failure: it lost
+nothing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Keeps the syncer going: saves its state, and restarts it after a crash (spec §6, issue 9 part 4).
+"""Keeps the syncer going: saves its state, and restarts it after a crash (docs/design.md §6).
 
 Every `config.checkpoint.syncer_every_s` the syncer's own state (Theta, the outer state of every
 fragment, versions, merge records, clock, grace EMAs) is read on its thread and written with orbax

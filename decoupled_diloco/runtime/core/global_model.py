@@ -244,7 +244,7 @@ class GlobalModel:
   # ---- merging ---------------------------------------------------------------------------------
 
   def screen(self, p: int, offers: Sequence[messages.Offer]) -> Screening:
-    """Judges each offer's outer gradient Delta_m = anchor - theta_m (robust merge, issue 9).
+    """Judges each offer's outer gradient Delta_m = anchor - theta_m (the robust merge).
 
     The learner's own Delta_m, whatever `merge.anchor`: a learner is judged by what it did, not by
     how far Theta_p moved since its anchor. And per unit of the inner learning rate over the steps

@@ -1,4 +1,4 @@
-"""What travels between learners and the syncer (spec §3).
+"""What travels between learners and the syncer (docs/design.md §3).
 
 A learner reports metadata after every step and *publishes* its latest completed state: references to
 its parameter arrays with, per fragment, the counters and anchor version that describe them. When a
@@ -12,9 +12,10 @@ takes an offer makes those steps part of Theta_p; the syncer records, per learne
 last step merged (`merged_through`) and takes a later offer only if it starts at or after that step,
 so no step is ever merged twice, whatever the order in which broadcasts and pulls meet.
 
-Incarnations: a learner that failed and was restarted (spec §6) keeps its index and counts up its
-`incarnation`. Its step numbers start again from the peer state it rejoined from, so the syncer
-keys its records by incarnation and drops whatever an earlier incarnation still sends or offered.
+Incarnations: a learner that failed and was restarted (docs/design.md §6) keeps its index and counts
+up its `incarnation`. Its step numbers start again from the peer state it rejoined from, so the
+syncer keys its records by incarnation and drops whatever an earlier incarnation still sends or
+offered.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class StepReport:
   step: int
   step_time_s: float
   tokens: int  # tokens of this step
-  # Per fragment, the version of the Theta_p the learner holds (spec §3's per-fragment metadata):
-  # tells the syncer which versions a learner may still be anchored at.
+  # Per fragment, the version of the Theta_p the learner holds (docs/design.md §3's per-fragment
+  # metadata): tells the syncer which versions a learner may still be anchored at.
   anchor_versions: np.ndarray | None = None
   incarnation: int = 0  # which start of learner `learner` sent it (see the module docstring)
 
@@ -68,7 +69,7 @@ class LearnerExit:
 
 @dataclasses.dataclass(frozen=True)
 class Publication:
-  """A learner's latest completed state, as the syncer may take it (spec §3, the host-RAM copy).
+  """A learner's latest completed state, as the syncer may take it (docs/design.md §3).
 
   Every field describes the same instant: the parameters after `step` with every merge applied that
   had arrived by then. Arrays are never written after publication (JAX arrays are immutable and the
@@ -84,8 +85,8 @@ class Publication:
   anchors: dict[str, np.ndarray]  # host copies of those Theta_p
   training: bool  # False once the learner made its last step
   # The rest of the train state at `step` (device arrays, never written): a rejoining learner
-  # starts from a healthy peer's AdamW moments and step count (spec §6). None while a learner with
-  # a donating step trains and nobody asked for them (`Learner.want_full_state`).
+  # starts from a healthy peer's AdamW moments and step count (docs/design.md §6). None while a
+  # learner with a donating step trains and nobody asked for them (`Learner.want_full_state`).
   opt_state: Any = None
   state_step: Any = None
   # The data loader's position at `step` (grain iterator state): the next batch is the one after

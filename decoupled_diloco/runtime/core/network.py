@@ -1,4 +1,4 @@
-"""The links between the learners and the syncer, which a partition cuts (issue 9, `partition`).
+"""The links between the learners and the syncer, which a `partition` fault cuts.
 
 A learner reaches the syncer through one call (`SyncerPort.post`: step reports, TrainingDone,
 exits) and the syncer reaches a learner through two (`LearnerLink.offer`, the pull of a fragment,

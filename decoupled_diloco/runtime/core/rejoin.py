@@ -1,4 +1,4 @@
-"""The state a restarted learner starts from (spec §6, rejoin).
+"""The state a restarted learner starts from (docs/design.md §6, rejoin).
 
 The supervisor makes a new incarnation from it (`runtime/control/supervisor.py`), and a replay makes
 the same one from the recorded event (`runtime/records/event_tape.py`), so both build it here: Theta
@@ -21,10 +21,10 @@ def rejoin_snapshot(theta: dict[str, np.ndarray], versions: np.ndarray,
                     layout, published: messages.Publication | None, failed_step: int,
                     init_opt_state: Callable[[Any], Any], offers_made: np.ndarray | None
                     ) -> learner_state.LearnerSnapshot:
-    """A restarted learner's state (spec §6): Theta as the learners received it (`theta`, at
-    `versions`), a healthy peer's optimizer state and step from its publication (`published`; None:
-    fresh optimizer state at the failed learner's step), no unmerged progress. Its loader keeps
-    its own position. A replay (runtime/records/event_tape.py) makes it the same way."""
+    """A restarted learner's state (docs/design.md §6): Theta as the learners received it (`theta`,
+    at `versions`), a healthy peer's optimizer state and step from its publication (`published`;
+    None: fresh optimizer state at the failed learner's step), no unmerged progress. Its loader
+    keeps its own position. A replay (runtime/records/event_tape.py) makes it the same way."""
     params = layout.to_native(theta)
     if published is not None:
       step, opt_state, state_step = published.step, published.opt_state, published.state_step

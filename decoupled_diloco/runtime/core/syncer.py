@@ -1,4 +1,4 @@
-"""The syncer: quorum, grace window, fragment merge and outer step, broadcast (spec §3-§5).
+"""The syncer: quorum, grace window, merge and outer step, broadcast (docs/design.md §3-§5).
 
 It runs in its own thread and owns all of its state. Fragments fall due on the clock of the fastest
 learner still training. For a due fragment it opens a round and takes the fragment from every live
@@ -12,7 +12,7 @@ syncer's thread, which broadcasts it to every live learner. Absent or late learn
 weight 0; the syncer never waits for one. A rejected offer is as if it had not been taken: its steps
 are not merged, and the broadcast does not name it, so its learner's overwrite discards them.
 
-Heartbeats (issue 9, detection): a learner still training whose step reports stop for longer than
+Heartbeats (docs/design.md §6): a learner still training whose step reports stop for longer than
 its timeout (`algorithm/heartbeat.py`) is *absent*: rounds neither ask it nor wait for it, the
 quorum counts the others, and an offer of it still copying is late (weight 0). It stays attached and
 is still sent every broadcast (a hung learner applies them when it wakes). Its next report takes it
@@ -169,7 +169,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._flush_done = threading.Event()
     self._stop = threading.Event()
     self.stats = SyncerStats()
-    self.tape: list[dict[str, Any]] = []  # every merge decision, in order (spec §6)
+    self.tape: list[dict[str, Any]] = []  # every merge decision, in order (docs/design.md §6)
     self.error: BaseException | None = None
     self.compile_seconds = 0.0
     self._thread = threading.Thread(target=self._run, name="syncer", daemon=True)

@@ -1,5 +1,5 @@
 """The syncer's rounds: a fragment falls due, its offers are taken and land, and the round closes
-(spec §3-§4).
+(docs/design.md §3-§4).
 
 A round is one sync of one fragment. It opens when the fragment falls due on the clock of the
 fastest learner still training (or, in the lock-step modes, at the first pushed offer), takes the
@@ -148,7 +148,7 @@ class SyncerRounds:
       round_.answered.discard(m)
 
   def _advance_clock(self) -> None:
-    """Fragments fall due on the clock of the fastest learner still training (spec §3).
+    """Fragments fall due on the clock of the fastest learner still training (docs/design.md §3).
 
     The clock advances by the progress of that learner; when it finishes (or fails), the clock goes
     on at the pace of the next fastest, so slower learners keep being synced to their last step.

@@ -1,4 +1,4 @@
-"""Fires `corrupt_checkpoint@second=T`: the newest checkpoint on disk gets damaged (issue 9, part 1).
+"""Fires `corrupt_checkpoint@second=T`: the newest checkpoint on disk gets damaged.
 
 A damaged disk block or a torn write: bytes flipped in one file of the newest job checkpoint's
 `arrays` item, the item orbax itself reads back without complaint. The run does not notice (it

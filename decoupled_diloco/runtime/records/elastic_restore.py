@@ -5,10 +5,10 @@ An elastic run loses and gains slices by design, and a job may come back on anot
 
 - learners 0..min(M, M')-1 keep their own state: step, train state, counters, anchors, and their
   data position (the count of windows read, in their shard of M' now: `data.reshard_position`);
-- learners M..M'-1 (M' > M) start as a rejoining learner does (spec §6, `job_state.rejoin_cut`):
-  the syncer's Theta as parameters and anchors, the optimizer state and step of the most advanced
-  kept learner, counters at 0, and their data from the start of their own shard, as any learner
-  that has read nothing yet;
+- learners M..M'-1 (M' > M) start as a rejoining learner does (docs/design.md §6,
+  `job_state.rejoin_cut`): the syncer's Theta as parameters and anchors, the optimizer state and
+  step of the most advanced kept learner, counters at 0, and their data from the start of their own
+  shard, as any learner that has read nothing yet;
 - learners M'..M-1 (M' < M) are dropped: their steps stay in the token account
   (`tokens_trained`), as a learner that departed and never came back counts;
 - the syncer's state (Theta, the outer optimizer's, versions, the grace estimator) carries over;

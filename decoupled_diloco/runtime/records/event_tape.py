@@ -1,4 +1,4 @@
-"""The event tape of a run, and its replay with no race (issue 12).
+"""The event tape of a run, and its replay with no race (docs/checkpoints_and_replay.md).
 
 A decoupled run's outcome depends on thread timing: which offers each merge took, from which of a
 learner's publications, and before which of its steps each learner applied which merge. The tape,

@@ -8,8 +8,8 @@ whole run (`tokens_trained` equals the uninterrupted run's: the steps made after
 before the stop are not counted, the resumed run makes them again).
 
 `learner_snapshot` rebuilds a learner's state from a cut. A learner absent from the cut (it had
-failed and was waiting for its repair) starts as a rejoining learner does (spec §6): a peer's
-train state, the syncer's Theta with its versions, counters at 0, and its own data position.
+failed and was waiting for its repair) starts as a rejoining learner does (docs/design.md §6): a
+peer's train state, the syncer's Theta with its versions, counters at 0, and its own data position.
 """
 
 from __future__ import annotations
