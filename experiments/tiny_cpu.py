@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   # syncer's Theta), as a scavenged slice would. E.g. (3,) with "join@learner=3,second=60".
   config.late_learners = ()
 
-  # Faults to inject, see decoupled_diloco/chaos.py and README "Failures and rejoin" for
+  # Faults to inject, see decoupled_diloco/chaos.py and docs/failures.md for
   # what each mode does with them (dp: the job restarts from its newest checkpoint). E.g.
   #   --config.chaos.schedule="crash@learner=1,step=100,down_s=5;hang@learner=2,step=50,seconds=3"
   # Injected today: crash, hang, slow, nan (its parameters go NaN; the learner fails on the next
@@ -143,10 +143,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.syncer.num_workers = 1
 
   config.sync = ml_collections.ConfigDict()
-  config.sync.num_fragments = 24  # P (spec default 24)
-  config.sync.period = 24  # H: each fragment is merged every H inner steps, staggered (spec default 24)
-  config.sync.overlap = 2  # tau: steps of compute the communication may overlap (spec default 2)
-  config.sync.quorum = 1  # K: learners with a fresh fragment before a merge may start (spec default 1)
+  config.sync.num_fragments = 24  # P (paper: 24)
+  config.sync.period = 24  # H: each fragment is merged every H inner steps, staggered (paper: 24)
+  config.sync.overlap = 2  # tau: steps of compute the communication may overlap (paper: 2)
+  config.sync.quorum = 1  # K: learners with a fresh fragment before a merge may start (paper: 1)
   # Grace window after quorum: clamp(gamma * (tau*xi_step - (xi_quorum + xi_sync)), 0, cap). gamma was
   # not published; 0.5 leaves half of the slack as margin so that no learner is ever blocked.
   config.sync.grace_gamma = 0.5
@@ -188,7 +188,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Not published for the paper; DiLoCo used 0.7 / 0.9. At this scale (200 steps, same seed)
   # momentum 0.9 ended at 2.17-2.20 nats/token, 0.6 at 2.01-2.03: merges of staggered fragments
   # with K = 1 are noisier than DiLoCo's lock-step averages and heavy momentum overshoots. 0.3
-  # (with inner.learning_rate 2e-2): study 7's choice on the validation split, see inner.
+  # (with inner.learning_rate 2e-2): the quality study's choice on the validation split, see inner.
   config.outer.learning_rate = 0.7
   config.outer.momentum = 0.3  # Nesterov / heavy-ball momentum of the outer optimizer
 
@@ -204,10 +204,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.compression.block_size = 64  # values per fp32 scale of the integer formats
 
   config.inner = ml_collections.ConfigDict()
-  # AdamW peak. 2e-2 with outer.momentum 0.3 (3e-3 and 0.6 until 2026-11-25): study 7
+  # AdamW peak. 2e-2 with outer.momentum 0.3 (3e-3 and 0.6 until 2026-11-25): the quality study
   # (scripts/study_quality.py) chose both on a validation split, and at 800 steps they beat the
-  # old pair on validation and on eval for both seeds, at the same bytes and goodput (README
-  # "Study 7"). dp's own best learning rate there was 2e-2 as well.
+  # old pair on validation and on eval for both seeds, at the same bytes and goodput
+  # (docs/studies.md, "Quality gap to dp"). dp's own best learning rate there was 2e-2 as well.
   config.inner.learning_rate = 2e-2
   config.inner.warmup_steps = 40  # linear warmup of the inner rate, steps (< num_steps)
   config.inner.final_lr_fraction = 0.1  # cosine decays to learning_rate x this at num_steps

@@ -28,7 +28,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "Base experiment; its mode is overridden per run.")
 # Runs: a mode, or a named variant = a mode plus overrides. "decoupled_h8" syncs each of 8 fragments
 # every 8 steps, keeps the steps a learner made while its offer was being merged, and uses plain
-# SGD (lr 1) as outer optimizer: the best decoupled setting found at 200 steps (see README).
+# SGD (lr 1) as outer optimizer: the best decoupled setting found at 200 steps (its figure at 800:
+# docs/benchmarks.md, "Quality at equal tokens").
 VARIANTS = {
     "decoupled_h8": ("decoupled", {"sync.num_fragments": 8, "sync.period": 8,
                                    "merge.keep_in_flight_progress": True,

@@ -40,7 +40,7 @@ DEFAULT_CONFIG = ROOT / "experiments" / "tiny_cpu.py"
 # compilation cache (the arms' programs are compiled once per shape, not once per run).
 QUIET = {"checkpoint.every_steps": 0, "checkpoint.syncer_every_s": 0.0, "restore": "none",
          "tape": False, "compilation_cache_dir": "/tmp/study_jax_cache"}
-# The training settings every study was made with: tiny_cpu's defaults until study 7
+# The training settings every study was made with: tiny_cpu's defaults until the quality study
 # (study_quality) moved tiny_cpu's inner learning rate and outer momentum to what it found. Set
 # on every run (an arm's own value wins), so the studies' commands make the published figures
 # whatever tiny_cpu's defaults are now.

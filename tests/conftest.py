@@ -73,8 +73,8 @@ def tiny_settings(workdir, **overrides):
   config.data.batch_size = 4
   config.sync.num_fragments = 4
   config.sync.period = 4
-  # The learning rates the tests' thresholds were measured with (tiny_cpu's until study 7 moved
-  # them): tuned for 800 steps of the default model, not 24 of this one.
+  # The learning rates the tests' thresholds were measured with (tiny_cpu's until the quality study
+  # moved them): tuned for 800 steps of the default model, not 24 of this one.
   config.inner.learning_rate = 3e-3
   config.outer.momentum = 0.6
   config.sync.overlap = 1

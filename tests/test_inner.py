@@ -94,7 +94,7 @@ def test_runs_that_differ_only_in_their_schedule_share_one_program_and_step_on_t
     tx = inner.make_inner_optimizer(cfg, total)
     step = inner.make_train_step(graphdef, tx, mesh, state_shardings)
     programs.append(step.lower(state, _batch(0)).as_text())
-    # As train.learner_parts does: the program compiled once, on this run's schedule.
+    # As assembly.learner_parts does: the program compiled once, on this run's schedule.
     new_state, _ = compiled.with_schedule(tx.schedule_values)(state, _batch(0))
     moved.append({n: np.asarray(new_state.params[n]) - np.asarray(params[n]) for n in params})
   assert programs[0] == programs[1] == programs[2]

@@ -4,7 +4,8 @@ The merged outer gradient Δ = anchor - θ_local is fed to an ordinary optax tra
 were a gradient. With SGD at learning rate 1 and no momentum this gives Θ - Δ = θ_local: the
 learner's parameters are adopted as they are. DiLoCo (arXiv 2311.08105) uses SGD with Nesterov
 momentum, lr 0.7, momentum 0.9; Decoupled DiLoCo keeps that optimizer and did not publish its
-values, so those are the defaults here.
+values. The defaults (experiments/tiny_cpu.py) keep SGD-Nesterov at lr 0.7 but with momentum 0.3:
+0.9 overshoots at this framework's scale (docs/design.md §5).
 
 The caller keeps one optimizer state per fragment (``tx.init`` on each fragment's dict), so a
 fragment's momentum only ever sees that fragment's updates, whatever order the fragments are synced

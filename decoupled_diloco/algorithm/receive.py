@@ -67,7 +67,7 @@ def lower_merge_programs(like: jax.ShapeDtypeStruct, *, keep_in_flight_progress:
   """The programs `receive` runs on the devices for one flat tensor placed like `like`, lowered:
   the rebase that keeps in-flight progress (config.merge.keep_in_flight_progress) and Streaming
   DiLoCo's mix (config.merge.alpha). Overwrite runs neither. For ahead-of-time compiles
-  (runtime/hardware/tpu_aot.py)."""
+  (runtime/tpu_aot.py)."""
   theta = jax.ShapeDtypeStruct(like.shape, jnp.float32, sharding=like.sharding)
   programs = {}
   if keep_in_flight_progress:

@@ -31,7 +31,7 @@ class ClusterParams:
   """Physical parameters of the simulated cluster, shared by all systems and all sizes.
 
   The defaults were chosen once, by physical reasoning and a small manual search over round values
-  (see the simulator's README section); they are not fitted per cell.
+  (listed in docs/design.md §7); they are not fitted per cell.
   """
 
   # Per-chip mean time between interruptions, in years. The paper's scenario (docs/design.md §7): 1

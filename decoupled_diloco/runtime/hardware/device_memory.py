@@ -20,8 +20,8 @@ naming no field, so `build` asks first, per device, from the shapes alone and th
 
 The eval program's own temporaries are not counted (it is compiled later, and runs between steps).
 Neither is the build's warm-up, which runs each learner's step once on a second state of zeros
-(train._compile): the learners of a group warm up one at a time, so that is one extra state, which
-the steady state's publications and offers of n >= 2 learners exceed.
+(`assembly.warm_up`): the learners of a group warm up one at a time, so that is one extra state,
+which the steady state's publications and offers of n >= 2 learners exceed.
 The limit is `memory_stats()["bytes_limit"]` (the allocator's pool: on a GPU 75% of the memory by
 default, XLA_PYTHON_CLIENT_MEM_FRACTION), or config.devices.memory_per_device_gb when set. A CPU
 device reports none: there the check runs only when memory_per_device_gb is set, and is otherwise

@@ -31,7 +31,7 @@ from decoupled_diloco.errors import InputError
 from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.runtime.records import checkpoints
 
-# History fields with one entry per learner (runtime/train.py's `_history`).
+# History fields with one entry per learner (`Checkpointer._history`, checkpoint_cadence.py).
 _PER_LEARNER = ("steps_made", "discarded_fragment_steps", "discarded_fragment_tokens",
                 "incarnations", "start_steps", "restarts", "barrier_wait_seconds")
 

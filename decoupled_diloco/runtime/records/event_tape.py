@@ -310,7 +310,8 @@ class _LearnerCursor:
 
 def check_replayable(tape: Tape, now_settings: Mapping[str, str]) -> dict[str, list[str]]:
   """Raises TapeError if the run of `now_settings` cannot replay `tape` (settings that shape what
-  it computes differ); else `changed_fields`. `train.build` asks before anything compiles."""
+  it computes differ); else `changed_fields`. The build (control/launch.py) asks before anything
+  compiles."""
   changed = changed_fields(tape.config, now_settings)
   if changed["structural"]:
     first, *others = changed["structural"]
