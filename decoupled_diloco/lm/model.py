@@ -365,7 +365,7 @@ def remat_block(block_graph: nnx.GraphDef, remat: str
   if remat == "none":
     return run
   if remat == "auto":
-    raise ValueError("config.model.remat='auto' is resolved at start-up (runtime/train.py "
+    raise ValueError("config.model.remat='auto' is resolved at start-up (runtime/assembly.py "
                      "resolve_remat): build the model with the policy it picked")
   policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
   return jax.checkpoint(run, policy=policy)
