@@ -3,24 +3,16 @@
 Between two inner steps a learner (1) applies the merged fragments that arrived, (2) dispatches the
 next step, (3) once the previous step has completed, *publishes* that completed state and posts the
 step's metadata. None of this waits for the syncer: in the decoupled mode a learner never waits for
-the syncer or a peer (spec §2). The syncer takes a fragment from the latest publication whenever it
-wants one (`offer`, called on the syncer's thread), so a pull never waits for the learner's next step
-boundary. Only the lock-step baselines (diloco, streaming) wait, by design, for each merge to come
-back tau steps after it started.
+the syncer or a peer (docs/design.md §2). The syncer takes a fragment from the latest publication
+whenever it wants one (`offer`, called on the syncer's thread), so a pull never waits for the
+learner's next step boundary. Only the lock-step baselines (diloco, streaming) wait, by design,
+for each merge to come back tau steps after it started.
 
 The learner keeps, per fragment p, the counters c_steps / c_tokens of its steps not yet merged, the
 step `since` where those steps start, and the host copy of the Theta_p it last received (its anchor,
-spec §5); with the delta broadcast (`runtime/core/global_model.py`) a broadcast may carry only the change
-from the anchor of version `base_version`, which the learner adds to its anchor when it holds that
-version and ignores otherwise. It also remembers every offer the syncer took, so that a broadcast,
-which names the offer it merged, tells it exactly which of its steps are now in Theta_p (the
-rule, with Streaming DiLoCo's alpha mix, is algorithm/receive.py):
-
-- overwrite (the paper, alpha = 0): theta_p <- Theta_p; the steps made since the merged offer are
-  dropped (counted in `discarded_fragment_steps`);
-- keep_in_flight_progress: theta_p <- Theta_p + (the steps not merged yet), so no step is lost. A
-  learner that made its last step always keeps them: nothing would replace them, and the final flush
-  merges them.
+docs/design.md §5). It also remembers every offer the syncer took (runtime/core/learner_ledger.py),
+so that a broadcast, which names the offer it merged, tells it exactly which of its steps are now in
+Theta_p: overwritten or kept (runtime/core/learner_receive.py).
 
 A step whose loss is not finite (a diverged or corrupted learner) fails the learner with
 `NonFiniteLoss` before the state after that step is published: from then on it is a failed learner
@@ -56,30 +48,30 @@ import math
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
-from decoupled_diloco.algorithm import receive as receive_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import learner_receive
 from decoupled_diloco.runtime.core import lock_step
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import profiling
 from decoupled_diloco.runtime.core.agreement import ProcessGroup
 from decoupled_diloco.runtime.core.agreement import host_array
+from decoupled_diloco.runtime.core.learner_ledger import TakeLedger
 from decoupled_diloco.runtime.core.learner_state import Counters
 from decoupled_diloco.runtime.core.learner_state import LearnerOptions
 from decoupled_diloco.runtime.core.learner_state import LearnerSnapshot
 from decoupled_diloco.runtime.core.learner_state import SyncerLink
+from decoupled_diloco.runtime.core.learner_tape import LearnerTape
 
 
 _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
@@ -118,7 +110,8 @@ class Learner:
     # A learner over several processes: every change of its state is agreed at a step boundary.
     self._group = group
     self._agreement = agreement_lib.Agreement(self, group) if group is not None else None
-    # 0 for the learner the run started; one more for each restart after a failure (spec §6).
+    # 0 for the learner the run started; one more for each restart after a failure
+    # (docs/design.md §6).
     self.incarnation = incarnation
     # Shapes and shardings of the train state, not its arrays: a respawn places its state alike.
     self._like = jax.tree.map(
@@ -162,17 +155,10 @@ class Learner:
     if snapshot is not None and snapshot.offers_made is not None:
       self._offers_made = np.maximum(self._offers_made, snapshot.offers_made)
     self.start_step = self.step  # where this learner object started (0, a checkpoint, a rejoin)
-    self._lock = threading.Lock()  # guards _taken, written by the syncer's thread in offer()
-    # Per fragment, the last offer the syncer took. One is enough for the values: a take succeeds
-    # only once every merge of this learner's earlier steps has been applied or an overwrite has
-    # dropped those steps, and a merge that names an offer whose steps were dropped needs no values.
-    self._taken: dict[int, messages.Offer] = {}
-    # ... but it needs the counts. Per fragment, (steps, tokens) of every offer taken whose merge
-    # this learner has not heard of yet, by offer step: a merge may name an offer after an
-    # overwrite here dropped (and counted as discarded) its steps, and after a newer offer
-    # replaced it in `_taken`. Integers only; pruned as merges name later offers.
-    self._taken_counts: dict[int, dict[int, tuple[int, int]]] = {}
-    self._tape_seq = 0  # this learner's events on the event tape so far
+    # Guards the ledger, written by the syncer's thread in offer(), and the tape.
+    self._lock = threading.Lock()
+    self._ledger = TakeLedger(index)  # the offers taken, until merged; the discarded steps
+    self._tape = LearnerTape(metrics, index, incarnation)
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     self._news = threading.Event()  # the leader has something to propose
     self._finished = False  # made its last step: from then on merges keep unmerged steps
@@ -191,16 +177,10 @@ class Learner:
     self.steps_made = 0  # by this incarnation
     self.batches_taken = 0  # from the loader, by this incarnation (one more than its steps when a
     # step failed after the next one was dispatched)
-    self._data_crc = 0  # of those batches' inputs, with the tape on or in a replay
-    self._replaying = False
     # Lock-step: seconds this incarnation spent at barriers, waiting for merges to come back (the
     # sync itself, slower peers, and peers that are down and being repaired).
     self.barrier_wait_s = 0.0
     self.barrier_waits: list[tuple[float, float]] = []  # (start, end), monotonic: goodput's idle
-    self.discarded_fragment_tokens = 0  # tokens of the discarded fragment-steps
-    # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
-    # taken by any merge): the compute the paper's overwrite discards.
-    self.discarded_fragment_steps = 0
     # Delta broadcasts against a version this learner did not hold, not applied (a keyframe follows).
     self.ignored_deltas = 0
     self._data_state = self._data_position()  # the loader's position after step self.step
@@ -370,6 +350,16 @@ class Learner:
         peer_repairing=self._peer_repairing, turns=self._turns)
 
   @property
+  def discarded_fragment_steps(self) -> int:
+    """Fragment-steps an overwrite on receive dropped: the compute the paper's overwrite drops."""
+    return self._ledger.discarded_steps
+
+  @property
+  def discarded_fragment_tokens(self) -> int:
+    """Tokens of those discarded fragment-steps."""
+    return self._ledger.discarded_tokens
+
+  @property
   def offers_made(self) -> np.ndarray:
     """Lock-step: per fragment, the rounds this learner has offered to (its barriers)."""
     return self._offers_made.copy()
@@ -444,7 +434,8 @@ class Learner:
           self._syncer.post(self._training_done())
       self._serve(timeout=0.0)
     except BaseException as err:  # pylint: disable=broad-except
-      # A failed learner just stops contributing (spec §6): report it, never raise into others.
+      # A failed learner just stops contributing (docs/design.md §6): report it, never raise into
+      # others.
       error = f"{type(err).__name__}: {err}"
       self.failed_at = time.monotonic()
       self.error = err
@@ -666,128 +657,29 @@ class Learner:
         return
 
   def _apply(self, broadcast: messages.Broadcast) -> None:
-    p = broadcast.fragment
-    if broadcast.version <= self._anchor_versions[p]:
-      return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
-    if broadcast.base_version is not None and broadcast.base_version != self._anchor_versions[p]:
-      # A delta against a value this learner does not hold (it missed a broadcast): it would
-      # reconstruct a wrong Theta_p. The syncer sends a keyframe once it sees this version held.
-      self.ignored_deltas += 1
-      return
-    merged_step = broadcast.merged_offers.get(self.index)
-    with self._lock:  # one section with the tape's event: ordered against the syncer's takes
-      self._tape_event("apply", fragment=p, version=broadcast.version, step=self.step,
-                       publications=self._published.index + 1
-                       if self._published.step == self.step else 0, merged=merged_step)
-      taken, unknown = self._merged_record(p, merged_step)
-    keep = (self._options.keep_in_flight_progress or self._finished) and not unknown
-    params = self._state.params
-    anchors, updates = dict(self._anchors), {}
-    for name, encoded in broadcast.values.items():
-      theta_global = compression.decode(encoded)
-      if broadcast.base_version is not None:
-        # The anchor is R_p at the base version: the same float32 sum as the syncer's new R_p.
-        theta_global = self._anchors[name] + theta_global
-      now = self._layout.get(params, name)
-      offered = moved = None
-      if keep and taken is not None:
-        # The merge took this learner's steps up to the offer: keep those after it.
-        offered = taken.values[name]
-        if taken.anchor_version != self._anchor_versions[p]:
-          moved = (self._anchors[name], taken.anchor[name])
-      elif keep:
-        offered = self._anchors[name]  # none of the unmerged steps is in this merge: keep them all
-      updates[name] = receive_lib.receive(
-          theta_global, now, alpha=self._options.alpha, sharding=self._flat_shardings[name],
-          offered=offered, anchors=moved, gather=host_array if self._finished else None)
-      anchors[name] = theta_global
-    self._state = self._state._replace(params=self._layout.set(params, updates))
-    self._anchors = anchors
-    self._anchor_versions[p] = broadcast.version
-    if keep:
-      if taken is not None:
-        self._counter_steps[p] -= taken.steps
-        self._counter_tokens[p] -= taken.tokens
-        self._since[p] = taken.step
-    else:
-      merged_steps = taken.steps if taken is not None else 0
-      merged_tokens = taken.tokens if taken is not None else 0
-      self.discarded_fragment_steps += int(self._counter_steps[p]) - merged_steps
-      self.discarded_fragment_tokens += int(self._counter_tokens[p]) - merged_tokens
-      self._counter_steps[p] = 0
-      self._counter_tokens[p] = 0
-      self._since[p] = self.step
+    """A merged Theta_p, applied to the state (runtime/core/learner_receive.py)."""
+    learner_receive.apply(self, broadcast)
 
   def _record_taken(self, offer: messages.Offer) -> None:
     """Under the lock: the syncer took `offer`."""
-    self._tape_event("take", fragment=offer.fragment, step=offer.step,
+    self._tape.event("take", fragment=offer.fragment, step=offer.step,
                      publication=offer.publication, batches=self.batches_taken,
-                     data_crc=self._data_crc)
-    self._taken[offer.fragment] = offer
-    counts = self._taken_counts.setdefault(offer.fragment, {})
-    counts[offer.step] = (offer.steps, offer.tokens)
-    if len(counts) > 256:  # a learner whose offers keep missing their rounds
-      del counts[min(counts)]
-
-  def _tape_event(self, kind: str, **fields) -> None:
-    """Under the lock: one of this learner's events on the event tape (config.tape), numbered in
-    the order its state changed."""
-    if self._metrics is None or not getattr(self._metrics, "taping", False):
-      return
-    self._tape_seq += 1
-    self._metrics.tape_event(kind, {"learner": self.index, "incarnation": self.incarnation,
-                                    "seq": self._tape_seq, **fields})
+                     data_crc=self._tape.data_crc)
+    self._ledger.record(offer)
 
   def _took(self, batch: dict[str, np.ndarray]) -> None:
     """A batch taken from the loader: counted, and folded into the CRC of this incarnation's
     batches, which its takes put on the event tape (a replay on other data stops at once)."""
-    crc = self._data_crc
-    if self._metrics is not None and getattr(self._metrics, "taping", False) or self._replaying:
-      crc = zlib.crc32(np.ascontiguousarray(batch["inputs"]).tobytes(), crc)
+    crc = self._tape.crc_with(batch)
     with self._lock:  # a take reads both
       self.batches_taken += 1
-      self._data_crc = crc
+      self._tape.data_crc = crc
 
   @property
   def data_crc(self) -> int:
-    return self._data_crc
+    return self._tape.data_crc
 
   def tape_respawn(self, **fields) -> None:
     """The supervisor made this incarnation: the first event on the tape of its."""
     with self._lock:
-      self._tape_event("respawn", **fields)
-
-  def _merged_record(self, p: int, merged_step: int | None
-                     ) -> tuple[messages.Offer | None, bool]:
-    """Under the lock: (the taken offer a broadcast of p merged, if its steps are still unmerged
-    here; unknown).
-
-    A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
-    step with the current progress: as if the merge had not taken this learner. That happens when
-    the syncer took the offer from a publication made before an overwrite on its way was applied
-    (again, possibly, after a round that rejected it). Those steps did reach Theta_p, though: the
-    overwrite counted them as discarded, and by the counts `_record_taken` kept they leave that count.
-    """
-    if merged_step is None:
-      return None, False
-    counts = self._taken_counts.get(p, {})
-    merged_counts = counts.pop(merged_step, None)
-    for older in [step for step in counts if step < merged_step]:
-      del counts[older]  # in earlier rounds, whose merges are applied: never named now
-    if merged_step <= self._since[p]:
-      if merged_counts is not None:
-        # The syncer took this offer from a publication made before an overwrite here dropped
-        # its steps (counted then as discarded): this merge took them in after all.
-        self.discarded_fragment_steps -= merged_counts[0]
-        self.discarded_fragment_tokens -= merged_counts[1]
-      return None, False
-    taken = self._taken.get(p)
-    if taken is not None and taken.step == merged_step:
-      del self._taken[p]
-      return taken, False
-    # Cannot happen while this learner object lives (offer() records before it returns). A learner
-    # restored from a snapshot has no record: dropping its local progress is safe, keeping it
-    # could merge those steps twice.
-    logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has no "
-                    "record of; overwriting", self.index, p, merged_step)
-    return None, True
+      self._tape.event("respawn", **fields)

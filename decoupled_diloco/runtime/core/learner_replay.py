@@ -20,7 +20,7 @@ from decoupled_diloco.runtime.core import messages
 
 def step(learner: learner_lib.Learner) -> None:
   """One training step on the next batch, as `_train` makes it."""
-  learner._replaying = True
+  learner._tape.replaying = True
   batch = next(learner._batches)
   learner._took(batch)
   learner._state, _ = learner._train_step(learner._state, batch)
