@@ -60,12 +60,13 @@ from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import device_share
 from decoupled_diloco.runtime.core import learner_receive
+from decoupled_diloco.runtime.core import learner_restart
+from decoupled_diloco.runtime.core import learner_status
 from decoupled_diloco.runtime.core import lock_step
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import profiling
 from decoupled_diloco.runtime.core.agreement import ProcessGroup
-from decoupled_diloco.runtime.core.agreement import host_array
 from decoupled_diloco.runtime.core.learner_ledger import TakeLedger
 from decoupled_diloco.runtime.core.learner_state import Counters
 from decoupled_diloco.runtime.core.learner_state import LearnerOptions
@@ -137,18 +138,12 @@ class Learner:
     # Lock-step only: whether a failed peer is waiting for its repair. The barrier then waits for
     # it by design, so that wait is not a stall (`lock_step.wait_for_due_merges`).
     self._peer_repairing = peer_repairing
-    num_fragments = len(self._fragments)
+    self.step = 0 if snapshot is None else snapshot.step  # 0, or where the snapshot stopped
+    # Its state, and per fragment its counters, since, anchors and their versions.
     if snapshot is None:
-      self.step = 0
-      self._state = state
-      self._counter_steps = np.zeros(num_fragments, np.int64)
-      self._counter_tokens = np.zeros(num_fragments, np.int64)
-      self._since = np.zeros(num_fragments, np.int64)
-      host = self._layout.to_flat(jax.tree.map(host_array, state.params))
-      self._anchors = {name: np.asarray(v, np.float32) for name, v in host.items()}
-      self._anchor_versions = np.zeros(num_fragments, np.int64)
+      learner_restart.fresh(self, state)
     else:
-      self._restore(snapshot, state)
+      learner_restart.restore(self, snapshot, state)
     # Lock-step: offers pushed per fragment. Every merge of a lock-step round takes one offer of
     # every learner, so a restored learner has pushed as many as the versions it holds.
     self._offers_made = self._anchor_versions.copy()
@@ -183,7 +178,7 @@ class Learner:
     self.barrier_waits: list[tuple[float, float]] = []  # (start, end), monotonic: goodput's idle
     # Delta broadcasts against a version this learner did not hold, not applied (a keyframe follows).
     self.ignored_deltas = 0
-    self._data_state = self._data_position()  # the loader's position after step self.step
+    self._data_state = self.data_position()  # the loader's position after step self.step
     self._trace = (profiling.StepTrace(*options.profile_steps, options.profile_dir)
                    if options.profile_steps else None)
     self._published: messages.Publication = self._publication(self._state)
@@ -298,30 +293,9 @@ class Learner:
   replicas_agree: bool | None = None
 
   def status(self):
-    """How this learner stands, for its handle in another process (`handles.LearnerStatus`).
-
-    One instant for the accounting: the latest publication's counters, steps and discards (a
-    process lost after this status loses what it did since; reading the live fields one by one
-    could count a step made in between in one and not in the other)."""
-    from decoupled_diloco.runtime.core import handles  # pylint: disable=g-import-not-at-top
-    published = self.published
-    error = self.error
-    return handles.LearnerStatus(
-        incarnation=self.incarnation, step=self.step, steps_made=published.steps_made,
-        start_step=self.start_step,
-        num_losses=len(self.losses), recent_losses=list(self.losses[-handles.RECENT:]),
-        recent_step_times=list(self.step_times[-handles.RECENT:]),
-        recent_step_ends=list(self.step_ends[-handles.RECENT:]),
-        num_steps_done=len(self.step_times),
-        first_step_done_at=self.first_step_done_at,
-        train_started_at=self.train_started_at, failed_at=self.failed_at,
-        error=None if error is None else repr(error),
-        finished_training=self.finished_training.is_set(),
-        discarded_fragment_tokens=published.discarded_fragment_tokens,
-        discarded_fragment_steps=published.discarded_fragment_steps,
-        barrier_wait_s=self.barrier_wait_s,
-        counters=(published.counter_steps, published.counter_tokens, published.anchor_versions),
-        data_state=published.data_state, offers_made=self.offers_made)
+    """How this learner stands, for its handle in another process (`handles.LearnerStatus`;
+    runtime/core/learner_status.py)."""
+    return learner_status.status(self)
 
   @property
   def published(self) -> messages.Publication:
@@ -340,14 +314,7 @@ class Learner:
     """The next incarnation of this learner after a failure: same index, mesh, compiled step and
     data loader (whose position the host kept unless `snapshot` gives one), its state from
     `snapshot`. `train_step`: a step compiled again (a dp job restart rebuilds it). Not started."""
-    if self.alive:
-      raise RuntimeError(f"learner {self.index}: respawn() needs the failed learner stopped")
-    return Learner(
-        self.index, train_step=train_step or self._train_step, state=self._like,
-        param_shardings=self._shardings, batches=self._batches, fragments=self._fragments,
-        options=self._options, syncer=self._syncer, metrics=self._metrics, snapshot=snapshot,
-        step_hook=self._step_hook, layout=self._layout, incarnation=self.incarnation + 1,
-        peer_repairing=self._peer_repairing, turns=self._turns)
+    return learner_restart.respawn(self, snapshot, train_step)
 
   @property
   def discarded_fragment_steps(self) -> int:
@@ -380,34 +347,9 @@ class Learner:
 
   def snapshot(self) -> LearnerSnapshot:
     """Host copy of the whole state. Call only while the learner's thread is not running."""
-    if self._thread.is_alive():
-      raise RuntimeError(f"learner {self.index}: snapshot() needs the learner stopped first")
-    return LearnerSnapshot(
-        step=self.step,
-        train_state=jax.device_get(self._state),
-        data_state=self._batches.get_state() if hasattr(self._batches, "get_state") else None,
-        counter_steps=self._counter_steps.copy(),
-        counter_tokens=self._counter_tokens.copy(),
-        since=self._since.copy(),
-        anchors=dict(self._anchors),
-        anchor_versions=self._anchor_versions.copy(),
-    )
+    return learner_restart.snapshot(self)
 
   # ---- the learner's own thread ---------------------------------------------------------------
-
-  def _restore(self, snapshot: LearnerSnapshot, like: inner.TrainState) -> None:
-    shardings = jax.tree.map(lambda x: x.sharding, like)
-    # In the state's own dtypes: a rejoiner's parameters are Theta, float32 whatever param_dtype.
-    host = jax.tree.map(lambda x, l: np.asarray(x, l.dtype), snapshot.train_state, like)
-    self._state = jax.device_put(host, shardings)
-    if snapshot.data_state is not None:
-      self._batches.set_state(snapshot.data_state)
-    self.step = snapshot.step
-    self._counter_steps = snapshot.counter_steps.copy()
-    self._counter_tokens = snapshot.counter_tokens.copy()
-    self._since = snapshot.since.copy()
-    self._anchors = dict(snapshot.anchors)
-    self._anchor_versions = snapshot.anchor_versions.copy()
 
   def _run(self) -> None:
     error = None
@@ -489,7 +431,7 @@ class Learner:
       self._counter_tokens += tokens
       # Where the data stands after the new step; until here publications of `current` (one step
       # behind) went out with the position before this step's batch.
-      self._data_state = self._data_position()
+      self._data_state = self.data_position()
       in_flight = (self.step, tokens, step_metrics)
       if self._trace is not None:
         self._trace.after_step(self.step, self._state)
@@ -581,9 +523,6 @@ class Learner:
 
   def data_position(self) -> bytes | None:
     """The data loader's position now (host state: readable after a failure)."""
-    return self._data_position()
-
-  def _data_position(self) -> bytes | None:
     return self._batches.get_state() if hasattr(self._batches, "get_state") else None
 
   def _publish(self, state: inner.TrainState) -> messages.Publication:
