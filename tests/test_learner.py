@@ -86,7 +86,7 @@ def test_offer_is_the_published_fragment_with_its_counters_and_is_remembered(bui
   assert sorted(offer.values) == sorted(_names(built))
   _assert_all({n: np.asarray(v) for n, v in offer.values.items()}, 1.0)
   _assert_all(offer.anchor, 0.5)
-  assert learner._taken[P] is offer
+  assert learner._ledger.taken[P] is offer
 
 
 def test_offer_holding_steps_a_merge_took_is_stale_and_one_without_steps_is_nothing(built):
@@ -96,7 +96,7 @@ def test_offer_holding_steps_a_merge_took_is_stale_and_one_without_steps_is_noth
   assert learner.offer(P, 3) is messages.Answer.STALE
   _set(learner, built, 1.0, step=5, steps=0)
   assert learner.offer(P, 0) is messages.Answer.NOTHING
-  assert P not in learner._taken
+  assert P not in learner._ledger.taken
 
 
 def test_broadcasts_apply_monotonically(built):
@@ -123,7 +123,7 @@ def test_overwrite_drops_the_steps_made_after_the_merged_offer(built):
   _assert_all(_values(learner, built), 0.25)
   assert (learner._counter_steps[P], learner._counter_tokens[P], learner._since[P]) == (0, 0, 7)
   assert learner.discarded_fragment_steps == 2
-  assert P not in learner._taken
+  assert P not in learner._ledger.taken
 
 
 def test_keep_in_flight_progress_keeps_the_steps_made_after_the_merged_offer(built):
@@ -143,7 +143,7 @@ def test_keep_in_flight_progress_keeps_every_step_when_the_merge_left_this_learn
   learner._apply(_broadcast(built, 0.25, 1, {3: 9}))
   _assert_all(_values(learner, built), 0.25 + (3.0 - 0.5))
   assert (learner._counter_steps[P], learner._since[P]) == (7, 0)
-  assert learner._taken[P].step == 5  # still waiting for its own merge
+  assert learner._ledger.taken[P].step == 5  # still waiting for its own merge
 
 
 def test_offer_anchored_behind_is_rebased_against_its_own_anchor(built):
@@ -192,10 +192,10 @@ def test_a_learner_remembers_one_taken_offer_per_fragment(built):
   learner.offer(P, 0)  # its round closes without it (late)
   _set(learner, built, 2.0, step=7, steps=7)
   second = learner.offer(P, 0)
-  assert learner._taken == {P: second}
+  assert learner._ledger.taken == {P: second}
   learner._apply(_broadcast(built, 0.25, 1, {0: 7}))
   _assert_all(_values(learner, built), 0.25)  # every step was in the merged offer
-  assert learner._counter_steps[P] == 0 and learner._taken == {}
+  assert learner._counter_steps[P] == 0 and learner._ledger.taken == {}
 
 
 def test_steps_an_overwrite_dropped_are_not_discarded_once_a_merge_takes_them_in(built):
@@ -207,7 +207,7 @@ def test_steps_an_overwrite_dropped_are_not_discarded_once_a_merge_takes_them_in
   assert learner.discarded_fragment_steps == 7
   _set(learner, built, 1.75, step=8, steps=1)
   newer = learner.offer(P, 0)
-  assert (newer.since, newer.step) == (7, 8)  # replaces the first offer in `_taken`
+  assert (newer.since, newer.step) == (7, 8)  # replaces the first offer in the ledger
   learner._apply(_broadcast(built, 2.0, 2, {0: 5}))
   # 7 - 5, and this overwrite drops step 8, which the newer offer holds.
   assert learner.discarded_fragment_steps == 7 - 5 + 1

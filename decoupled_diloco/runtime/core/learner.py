@@ -3,24 +3,16 @@
 Between two inner steps a learner (1) applies the merged fragments that arrived, (2) dispatches the
 next step, (3) once the previous step has completed, *publishes* that completed state and posts the
 step's metadata. None of this waits for the syncer: in the decoupled mode a learner never waits for
-the syncer or a peer (spec §2). The syncer takes a fragment from the latest publication whenever it
-wants one (`offer`, called on the syncer's thread), so a pull never waits for the learner's next step
-boundary. Only the lock-step baselines (diloco, streaming) wait, by design, for each merge to come
-back tau steps after it started.
+the syncer or a peer (docs/design.md §2). The syncer takes a fragment from the latest publication
+whenever it wants one (`offer`, called on the syncer's thread), so a pull never waits for the
+learner's next step boundary. Only the lock-step baselines (diloco, streaming) wait, by design,
+for each merge to come back tau steps after it started.
 
 The learner keeps, per fragment p, the counters c_steps / c_tokens of its steps not yet merged, the
 step `since` where those steps start, and the host copy of the Theta_p it last received (its anchor,
-spec §5); with the delta broadcast (`runtime/core/global_model.py`) a broadcast may carry only the change
-from the anchor of version `base_version`, which the learner adds to its anchor when it holds that
-version and ignores otherwise. It also remembers every offer the syncer took, so that a broadcast,
-which names the offer it merged, tells it exactly which of its steps are now in Theta_p (the
-rule, with Streaming DiLoCo's alpha mix, is algorithm/receive.py):
-
-- overwrite (the paper, alpha = 0): theta_p <- Theta_p; the steps made since the merged offer are
-  dropped (counted in `discarded_fragment_steps`);
-- keep_in_flight_progress: theta_p <- Theta_p + (the steps not merged yet), so no step is lost. A
-  learner that made its last step always keeps them: nothing would replace them, and the final flush
-  merges them.
+docs/design.md §5). It also remembers every offer the syncer took (runtime/core/learner_ledger.py),
+so that a broadcast, which names the offer it merged, tells it exactly which of its steps are now in
+Theta_p: overwritten or kept (runtime/core/learner_receive.py).
 
 A step whose loss is not finite (a diverged or corrupted learner) fails the learner with
 `NonFiniteLoss` before the state after that step is published: from then on it is a failed learner
@@ -56,30 +48,31 @@ import math
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import fragments as fragments_lib
-from decoupled_diloco.algorithm import receive as receive_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import device_share
+from decoupled_diloco.runtime.core import learner_receive
+from decoupled_diloco.runtime.core import learner_restart
+from decoupled_diloco.runtime.core import learner_status
 from decoupled_diloco.runtime.core import lock_step
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import profiling
 from decoupled_diloco.runtime.core.agreement import ProcessGroup
-from decoupled_diloco.runtime.core.agreement import host_array
+from decoupled_diloco.runtime.core.learner_ledger import TakeLedger
 from decoupled_diloco.runtime.core.learner_state import Counters
 from decoupled_diloco.runtime.core.learner_state import LearnerOptions
 from decoupled_diloco.runtime.core.learner_state import LearnerSnapshot
 from decoupled_diloco.runtime.core.learner_state import SyncerLink
+from decoupled_diloco.runtime.core.learner_tape import LearnerTape
 
 
 _DONE_REPEAT_S = 1.0  # a finished learner says so again this often while it serves the flush
@@ -118,7 +111,8 @@ class Learner:
     # A learner over several processes: every change of its state is agreed at a step boundary.
     self._group = group
     self._agreement = agreement_lib.Agreement(self, group) if group is not None else None
-    # 0 for the learner the run started; one more for each restart after a failure (spec §6).
+    # 0 for the learner the run started; one more for each restart after a failure
+    # (docs/design.md §6).
     self.incarnation = incarnation
     # Shapes and shardings of the train state, not its arrays: a respawn places its state alike.
     self._like = jax.tree.map(
@@ -144,35 +138,22 @@ class Learner:
     # Lock-step only: whether a failed peer is waiting for its repair. The barrier then waits for
     # it by design, so that wait is not a stall (`lock_step.wait_for_due_merges`).
     self._peer_repairing = peer_repairing
-    num_fragments = len(self._fragments)
+    self.step = 0 if snapshot is None else snapshot.step  # 0, or where the snapshot stopped
+    # Its state, and per fragment its counters, since, anchors and their versions.
     if snapshot is None:
-      self.step = 0
-      self._state = state
-      self._counter_steps = np.zeros(num_fragments, np.int64)
-      self._counter_tokens = np.zeros(num_fragments, np.int64)
-      self._since = np.zeros(num_fragments, np.int64)
-      host = self._layout.to_flat(jax.tree.map(host_array, state.params))
-      self._anchors = {name: np.asarray(v, np.float32) for name, v in host.items()}
-      self._anchor_versions = np.zeros(num_fragments, np.int64)
+      learner_restart.fresh(self, state)
     else:
-      self._restore(snapshot, state)
+      learner_restart.restore(self, snapshot, state)
     # Lock-step: offers pushed per fragment. Every merge of a lock-step round takes one offer of
     # every learner, so a restored learner has pushed as many as the versions it holds.
     self._offers_made = self._anchor_versions.copy()
     if snapshot is not None and snapshot.offers_made is not None:
       self._offers_made = np.maximum(self._offers_made, snapshot.offers_made)
     self.start_step = self.step  # where this learner object started (0, a checkpoint, a rejoin)
-    self._lock = threading.Lock()  # guards _taken, written by the syncer's thread in offer()
-    # Per fragment, the last offer the syncer took. One is enough for the values: a take succeeds
-    # only once every merge of this learner's earlier steps has been applied or an overwrite has
-    # dropped those steps, and a merge that names an offer whose steps were dropped needs no values.
-    self._taken: dict[int, messages.Offer] = {}
-    # ... but it needs the counts. Per fragment, (steps, tokens) of every offer taken whose merge
-    # this learner has not heard of yet, by offer step: a merge may name an offer after an
-    # overwrite here dropped (and counted as discarded) its steps, and after a newer offer
-    # replaced it in `_taken`. Integers only; pruned as merges name later offers.
-    self._taken_counts: dict[int, dict[int, tuple[int, int]]] = {}
-    self._tape_seq = 0  # this learner's events on the event tape so far
+    # Guards the ledger, written by the syncer's thread in offer(), and the tape.
+    self._lock = threading.Lock()
+    self._ledger = TakeLedger(index)  # the offers taken, until merged; the discarded steps
+    self._tape = LearnerTape(metrics, index, incarnation)
     self._inbox: queue.SimpleQueue[messages.Broadcast] = queue.SimpleQueue()
     self._news = threading.Event()  # the leader has something to propose
     self._finished = False  # made its last step: from then on merges keep unmerged steps
@@ -191,19 +172,13 @@ class Learner:
     self.steps_made = 0  # by this incarnation
     self.batches_taken = 0  # from the loader, by this incarnation (one more than its steps when a
     # step failed after the next one was dispatched)
-    self._data_crc = 0  # of those batches' inputs, with the tape on or in a replay
-    self._replaying = False
     # Lock-step: seconds this incarnation spent at barriers, waiting for merges to come back (the
     # sync itself, slower peers, and peers that are down and being repaired).
     self.barrier_wait_s = 0.0
     self.barrier_waits: list[tuple[float, float]] = []  # (start, end), monotonic: goodput's idle
-    self.discarded_fragment_tokens = 0  # tokens of the discarded fragment-steps
-    # Per fragment, steps dropped by an overwrite on receive (made after the merged offer, or never
-    # taken by any merge): the compute the paper's overwrite discards.
-    self.discarded_fragment_steps = 0
     # Delta broadcasts against a version this learner did not hold, not applied (a keyframe follows).
     self.ignored_deltas = 0
-    self._data_state = self._data_position()  # the loader's position after step self.step
+    self._data_state = self.data_position()  # the loader's position after step self.step
     self._trace = (profiling.StepTrace(*options.profile_steps, options.profile_dir)
                    if options.profile_steps else None)
     self._published: messages.Publication = self._publication(self._state)
@@ -318,30 +293,9 @@ class Learner:
   replicas_agree: bool | None = None
 
   def status(self):
-    """How this learner stands, for its handle in another process (`handles.LearnerStatus`).
-
-    One instant for the accounting: the latest publication's counters, steps and discards (a
-    process lost after this status loses what it did since; reading the live fields one by one
-    could count a step made in between in one and not in the other)."""
-    from decoupled_diloco.runtime.core import handles  # pylint: disable=g-import-not-at-top
-    published = self.published
-    error = self.error
-    return handles.LearnerStatus(
-        incarnation=self.incarnation, step=self.step, steps_made=published.steps_made,
-        start_step=self.start_step,
-        num_losses=len(self.losses), recent_losses=list(self.losses[-handles.RECENT:]),
-        recent_step_times=list(self.step_times[-handles.RECENT:]),
-        recent_step_ends=list(self.step_ends[-handles.RECENT:]),
-        num_steps_done=len(self.step_times),
-        first_step_done_at=self.first_step_done_at,
-        train_started_at=self.train_started_at, failed_at=self.failed_at,
-        error=None if error is None else repr(error),
-        finished_training=self.finished_training.is_set(),
-        discarded_fragment_tokens=published.discarded_fragment_tokens,
-        discarded_fragment_steps=published.discarded_fragment_steps,
-        barrier_wait_s=self.barrier_wait_s,
-        counters=(published.counter_steps, published.counter_tokens, published.anchor_versions),
-        data_state=published.data_state, offers_made=self.offers_made)
+    """How this learner stands, for its handle in another process (`handles.LearnerStatus`;
+    runtime/core/learner_status.py)."""
+    return learner_status.status(self)
 
   @property
   def published(self) -> messages.Publication:
@@ -360,14 +314,17 @@ class Learner:
     """The next incarnation of this learner after a failure: same index, mesh, compiled step and
     data loader (whose position the host kept unless `snapshot` gives one), its state from
     `snapshot`. `train_step`: a step compiled again (a dp job restart rebuilds it). Not started."""
-    if self.alive:
-      raise RuntimeError(f"learner {self.index}: respawn() needs the failed learner stopped")
-    return Learner(
-        self.index, train_step=train_step or self._train_step, state=self._like,
-        param_shardings=self._shardings, batches=self._batches, fragments=self._fragments,
-        options=self._options, syncer=self._syncer, metrics=self._metrics, snapshot=snapshot,
-        step_hook=self._step_hook, layout=self._layout, incarnation=self.incarnation + 1,
-        peer_repairing=self._peer_repairing, turns=self._turns)
+    return learner_restart.respawn(self, snapshot, train_step)
+
+  @property
+  def discarded_fragment_steps(self) -> int:
+    """Fragment-steps an overwrite on receive dropped: the compute the paper's overwrite drops."""
+    return self._ledger.discarded_steps
+
+  @property
+  def discarded_fragment_tokens(self) -> int:
+    """Tokens of those discarded fragment-steps."""
+    return self._ledger.discarded_tokens
 
   @property
   def offers_made(self) -> np.ndarray:
@@ -390,34 +347,9 @@ class Learner:
 
   def snapshot(self) -> LearnerSnapshot:
     """Host copy of the whole state. Call only while the learner's thread is not running."""
-    if self._thread.is_alive():
-      raise RuntimeError(f"learner {self.index}: snapshot() needs the learner stopped first")
-    return LearnerSnapshot(
-        step=self.step,
-        train_state=jax.device_get(self._state),
-        data_state=self._batches.get_state() if hasattr(self._batches, "get_state") else None,
-        counter_steps=self._counter_steps.copy(),
-        counter_tokens=self._counter_tokens.copy(),
-        since=self._since.copy(),
-        anchors=dict(self._anchors),
-        anchor_versions=self._anchor_versions.copy(),
-    )
+    return learner_restart.snapshot(self)
 
   # ---- the learner's own thread ---------------------------------------------------------------
-
-  def _restore(self, snapshot: LearnerSnapshot, like: inner.TrainState) -> None:
-    shardings = jax.tree.map(lambda x: x.sharding, like)
-    # In the state's own dtypes: a rejoiner's parameters are Theta, float32 whatever param_dtype.
-    host = jax.tree.map(lambda x, l: np.asarray(x, l.dtype), snapshot.train_state, like)
-    self._state = jax.device_put(host, shardings)
-    if snapshot.data_state is not None:
-      self._batches.set_state(snapshot.data_state)
-    self.step = snapshot.step
-    self._counter_steps = snapshot.counter_steps.copy()
-    self._counter_tokens = snapshot.counter_tokens.copy()
-    self._since = snapshot.since.copy()
-    self._anchors = dict(snapshot.anchors)
-    self._anchor_versions = snapshot.anchor_versions.copy()
 
   def _run(self) -> None:
     error = None
@@ -444,7 +376,8 @@ class Learner:
           self._syncer.post(self._training_done())
       self._serve(timeout=0.0)
     except BaseException as err:  # pylint: disable=broad-except
-      # A failed learner just stops contributing (spec §6): report it, never raise into others.
+      # A failed learner just stops contributing (docs/design.md §6): report it, never raise into
+      # others.
       error = f"{type(err).__name__}: {err}"
       self.failed_at = time.monotonic()
       self.error = err
@@ -498,7 +431,7 @@ class Learner:
       self._counter_tokens += tokens
       # Where the data stands after the new step; until here publications of `current` (one step
       # behind) went out with the position before this step's batch.
-      self._data_state = self._data_position()
+      self._data_state = self.data_position()
       in_flight = (self.step, tokens, step_metrics)
       if self._trace is not None:
         self._trace.after_step(self.step, self._state)
@@ -590,9 +523,6 @@ class Learner:
 
   def data_position(self) -> bytes | None:
     """The data loader's position now (host state: readable after a failure)."""
-    return self._data_position()
-
-  def _data_position(self) -> bytes | None:
     return self._batches.get_state() if hasattr(self._batches, "get_state") else None
 
   def _publish(self, state: inner.TrainState) -> messages.Publication:
@@ -666,128 +596,29 @@ class Learner:
         return
 
   def _apply(self, broadcast: messages.Broadcast) -> None:
-    p = broadcast.fragment
-    if broadcast.version <= self._anchor_versions[p]:
-      return  # broadcasts apply monotonically: an older Theta_p never overwrites a newer one
-    if broadcast.base_version is not None and broadcast.base_version != self._anchor_versions[p]:
-      # A delta against a value this learner does not hold (it missed a broadcast): it would
-      # reconstruct a wrong Theta_p. The syncer sends a keyframe once it sees this version held.
-      self.ignored_deltas += 1
-      return
-    merged_step = broadcast.merged_offers.get(self.index)
-    with self._lock:  # one section with the tape's event: ordered against the syncer's takes
-      self._tape_event("apply", fragment=p, version=broadcast.version, step=self.step,
-                       publications=self._published.index + 1
-                       if self._published.step == self.step else 0, merged=merged_step)
-      taken, unknown = self._merged_record(p, merged_step)
-    keep = (self._options.keep_in_flight_progress or self._finished) and not unknown
-    params = self._state.params
-    anchors, updates = dict(self._anchors), {}
-    for name, encoded in broadcast.values.items():
-      theta_global = compression.decode(encoded)
-      if broadcast.base_version is not None:
-        # The anchor is R_p at the base version: the same float32 sum as the syncer's new R_p.
-        theta_global = self._anchors[name] + theta_global
-      now = self._layout.get(params, name)
-      offered = moved = None
-      if keep and taken is not None:
-        # The merge took this learner's steps up to the offer: keep those after it.
-        offered = taken.values[name]
-        if taken.anchor_version != self._anchor_versions[p]:
-          moved = (self._anchors[name], taken.anchor[name])
-      elif keep:
-        offered = self._anchors[name]  # none of the unmerged steps is in this merge: keep them all
-      updates[name] = receive_lib.receive(
-          theta_global, now, alpha=self._options.alpha, sharding=self._flat_shardings[name],
-          offered=offered, anchors=moved, gather=host_array if self._finished else None)
-      anchors[name] = theta_global
-    self._state = self._state._replace(params=self._layout.set(params, updates))
-    self._anchors = anchors
-    self._anchor_versions[p] = broadcast.version
-    if keep:
-      if taken is not None:
-        self._counter_steps[p] -= taken.steps
-        self._counter_tokens[p] -= taken.tokens
-        self._since[p] = taken.step
-    else:
-      merged_steps = taken.steps if taken is not None else 0
-      merged_tokens = taken.tokens if taken is not None else 0
-      self.discarded_fragment_steps += int(self._counter_steps[p]) - merged_steps
-      self.discarded_fragment_tokens += int(self._counter_tokens[p]) - merged_tokens
-      self._counter_steps[p] = 0
-      self._counter_tokens[p] = 0
-      self._since[p] = self.step
+    """A merged Theta_p, applied to the state (runtime/core/learner_receive.py)."""
+    learner_receive.apply(self, broadcast)
 
   def _record_taken(self, offer: messages.Offer) -> None:
     """Under the lock: the syncer took `offer`."""
-    self._tape_event("take", fragment=offer.fragment, step=offer.step,
+    self._tape.event("take", fragment=offer.fragment, step=offer.step,
                      publication=offer.publication, batches=self.batches_taken,
-                     data_crc=self._data_crc)
-    self._taken[offer.fragment] = offer
-    counts = self._taken_counts.setdefault(offer.fragment, {})
-    counts[offer.step] = (offer.steps, offer.tokens)
-    if len(counts) > 256:  # a learner whose offers keep missing their rounds
-      del counts[min(counts)]
-
-  def _tape_event(self, kind: str, **fields) -> None:
-    """Under the lock: one of this learner's events on the event tape (config.tape), numbered in
-    the order its state changed."""
-    if self._metrics is None or not getattr(self._metrics, "taping", False):
-      return
-    self._tape_seq += 1
-    self._metrics.tape_event(kind, {"learner": self.index, "incarnation": self.incarnation,
-                                    "seq": self._tape_seq, **fields})
+                     data_crc=self._tape.data_crc)
+    self._ledger.record(offer)
 
   def _took(self, batch: dict[str, np.ndarray]) -> None:
     """A batch taken from the loader: counted, and folded into the CRC of this incarnation's
     batches, which its takes put on the event tape (a replay on other data stops at once)."""
-    crc = self._data_crc
-    if self._metrics is not None and getattr(self._metrics, "taping", False) or self._replaying:
-      crc = zlib.crc32(np.ascontiguousarray(batch["inputs"]).tobytes(), crc)
+    crc = self._tape.crc_with(batch)
     with self._lock:  # a take reads both
       self.batches_taken += 1
-      self._data_crc = crc
+      self._tape.data_crc = crc
 
   @property
   def data_crc(self) -> int:
-    return self._data_crc
+    return self._tape.data_crc
 
   def tape_respawn(self, **fields) -> None:
     """The supervisor made this incarnation: the first event on the tape of its."""
     with self._lock:
-      self._tape_event("respawn", **fields)
-
-  def _merged_record(self, p: int, merged_step: int | None
-                     ) -> tuple[messages.Offer | None, bool]:
-    """Under the lock: (the taken offer a broadcast of p merged, if its steps are still unmerged
-    here; unknown).
-
-    A merged offer whose steps an overwrite already dropped here (its step <= since) shares no
-    step with the current progress: as if the merge had not taken this learner. That happens when
-    the syncer took the offer from a publication made before an overwrite on its way was applied
-    (again, possibly, after a round that rejected it). Those steps did reach Theta_p, though: the
-    overwrite counted them as discarded, and by the counts `_record_taken` kept they leave that count.
-    """
-    if merged_step is None:
-      return None, False
-    counts = self._taken_counts.get(p, {})
-    merged_counts = counts.pop(merged_step, None)
-    for older in [step for step in counts if step < merged_step]:
-      del counts[older]  # in earlier rounds, whose merges are applied: never named now
-    if merged_step <= self._since[p]:
-      if merged_counts is not None:
-        # The syncer took this offer from a publication made before an overwrite here dropped
-        # its steps (counted then as discarded): this merge took them in after all.
-        self.discarded_fragment_steps -= merged_counts[0]
-        self.discarded_fragment_tokens -= merged_counts[1]
-      return None, False
-    taken = self._taken.get(p)
-    if taken is not None and taken.step == merged_step:
-      del self._taken[p]
-      return taken, False
-    # Cannot happen while this learner object lives (offer() records before it returns). A learner
-    # restored from a snapshot has no record: dropping its local progress is safe, keeping it
-    # could merge those steps twice.
-    logging.warning("learner %d: a merge of fragment %d took an offer at step %d that it has no "
-                    "record of; overwriting", self.index, p, merged_step)
-    return None, True
+      self._tape.event("respawn", **fields)

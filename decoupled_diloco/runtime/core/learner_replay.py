@@ -20,7 +20,7 @@ from decoupled_diloco.runtime.core import messages
 
 def step(learner: learner_lib.Learner) -> None:
   """One training step on the next batch, as `_train` makes it."""
-  learner._replaying = True
+  learner._tape.replaying = True
   batch = next(learner._batches)
   learner._took(batch)
   learner._state, _ = learner._train_step(learner._state, batch)
@@ -28,7 +28,7 @@ def step(learner: learner_lib.Learner) -> None:
   learner.steps_made += 1
   learner._counter_steps += 1
   learner._counter_tokens += int(batch["targets"].size)
-  learner._data_state = learner._data_position()
+  learner._data_state = learner.data_position()
   if learner.step >= learner._options.num_steps:
     learner._finished = True  # every merge applied from here on is one `_serve` applies
 
