@@ -15,7 +15,7 @@ An elastic run loses and gains slices by design, and a job may come back on anot
   what it keeps per learner is kept for the learners that remain.
 
 A learner's mesh may change shape as well: the checkpoint holds host arrays, and each learner
-places its state with its own mesh's shardings (`Learner._restore`), as a rejoiner's is placed.
+places its state with its own mesh's shardings (`learner_restart.restore`), as a rejoiner's is placed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import ast
 import dataclasses
 from typing import Any
 
-from absl import logging
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import InputError
