@@ -10,8 +10,13 @@ Arms at every size: dp (one learner on the 8 devices, a batch of M x 16 sequence
 M = 1 (one learner, the same batch), decoupled M = 4 and lock-step streaming M = 4 (the same M,
 H, P, tau: only the asynchrony differs). At the largest size, decoupled M = 4 with each option of
 OPTIONS as well; an option whose config field does not exist is skipped and the report says so.
-Every size trains the same tokens per parameter (the batch is fixed, so the steps grow with the
-size); every mode its own inner learning rate (`--tune`: a sweep at the smallest size, chosen on a
+Every size trains the same tokens per parameter, 20 by default (Chinchilla's ratio, which the
+DiLoCo scaling study trained at too); the batch is fixed, so the steps grow with the size, and the
+smallest size makes few merges (xs: 83 steps, each fragment merged about 3 times at H = 24). The
+default study (xs, s, m: 34k, 123k and 279k parameters) was estimated at 2.7 h on 2 shared cores
+with the keep-in-flight option alone (~1 h more for the other two), m seeing 5.5 epochs of the
+corpus. `--num_steps` > 0 sets every size's steps instead (smoke runs). Every mode its own inner
+learning rate (`--tune`: a sweep at the smallest size, chosen on a
 validation split carved from the training text; else INNER_LR, what study_quality found). Every
 run holds the same validation split out, so all train on the same text.
 
@@ -195,7 +200,7 @@ def fit_exponent(params: Sequence[float], gaps: Sequence[float]) -> dict[str, An
 # The command.
 
 _SIZES = flags.DEFINE_list("sizes", ["xs", "s", "m"], f"Model sizes, of {list(SIZES)}.")
-_TOKENS_PER_PARAM = flags.DEFINE_float("tokens_per_param", 15.0,
+_TOKENS_PER_PARAM = flags.DEFINE_float("tokens_per_param", 20.0,
                                        "Tokens every size trains per parameter.")
 _NUM_STEPS, _SEEDS, _FRESH = sc.study_flags(num_steps=0)
 _PLAN = flags.DEFINE_bool("plan", False, "Print the plan and its time estimate; train nothing "
@@ -365,8 +370,8 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
   published = {name: fit_exponent(list(by_n), list(by_n.values()))
                for name, by_n in PUBLISHED.items()}
   fit_rows = [[arm, _fmt_fit(f)] for arm, f in fits.items()]
-  fit_rows += [[f"published: {name}", f"{f['exponent']:.2f} (gaps " + ", ".join(
-      f"{g:+.1f}% at {_n(n)}" for n, g in PUBLISHED[name].items()) + ")"]
+  fit_rows += [[f"published: {name}", f"{_fmt_fit(f)}; gaps " + ", ".join(
+      f"{g:+.1f}% at {_n(n)}" for n, g in PUBLISHED[name].items())]
       for name, f in published.items()]
   fit_rows.append(["published: DiLoCo M=4, 35M-335M, stated", f"~{PUBLISHED_EXPONENT}"])
   option_rows = []
@@ -392,7 +397,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
   if option_rows or skipped:
     markdown += (f"\n## Options at {last}, decoupled M=4\n\n" + (sc.markdown_table(
         ["arm", "eval loss", "vs dp", "minus decoupled M=4, per seed"], option_rows)
-        if option_rows else "") + "".join(f"\n- {s}" for s in skipped) + "\n")
+        if option_rows else "") + "\n" + "".join(f"\n- {s}" for s in skipped) + "\n")
   if tried:
     markdown += "\n## Inner learning rate sweep at the smallest size (validation loss)\n\n" + \
         sc.markdown_table(["arm", "inner lr", "validation loss"],
@@ -432,10 +437,15 @@ def _plot(stem, report):
   losses.set(xscale="log", xlabel="parameters", ylabel="final eval loss (nats/token)",
              title="this framework, tiny-shakespeare")
   losses.legend()
-  for i, (arm, fit) in enumerate(report["fits"].items()):
+  colours = {arm: f"C{i}" for i, arm in enumerate(ARMS)}  # as in the left panel
+  for arm, fit in report["fits"].items():
     points = [(p, g) for p, _, g in fit["points"] if g > 0]
     if points:
-      gap_ax.scatter(*zip(*points), color=f"C{i}", label=f"{arm} (ours)")
+      gap_ax.scatter(*zip(*points), color=colours[arm], label=f"{arm} (ours)")
+    if fit["exponent"] is not None:
+      ends = [min(params), max(params)]
+      gap_ax.plot(ends, [fit["prefactor"] * n ** -fit["exponent"] for n in ends],
+                  color=colours[arm], lw=1)
   for i, (name, by_n) in enumerate(PUBLISHED.items()):
     gap_ax.plot(list(by_n), list(by_n.values()), marker="s", ls="--", color=f"C{i + 5}",
                 label=name)
