@@ -16,9 +16,9 @@ smallest size makes few merges (xs: 83 steps, each fragment merged about 3 times
 default study (xs, s, m: 34k, 123k and 279k parameters) was estimated at 2.7 h on 2 shared cores
 with the keep-in-flight option alone (~1 h more for the other two), m seeing 5.5 epochs of the
 corpus. `--num_steps` > 0 sets every size's steps instead (smoke runs). Every mode its own inner
-learning rate (`--tune`: a sweep at the smallest size, chosen on a
-validation split carved from the training text; else INNER_LR, what study_quality found). Every
-run holds the same validation split out, so all train on the same text.
+learning rate (`--tune`: a sweep at the smallest size, chosen on a validation split carved from
+the training text; else INNER_LR, what study_quality found). Every run holds the same validation
+split out, so all train on the same text.
 
   python scripts/study_scaling.py --plan              # the plan and its time, no training
   python scripts/study_scaling.py --calibrate --plan  # time a short run per size first
@@ -329,6 +329,7 @@ def main(argv):
                          {**_size_overrides(row), **overrides, "inner.learning_rate": lr}))
   runs = sc.run_study("scaling", arms, seeds, base=COMMON, fresh=_FRESH.value, figures=figures)
   report, markdown = _report(rows, runs, seeds, lrs, tried, skipped, options, seconds)
+  report["step_times"] = how
   stem = sc.write("scaling", report, markdown)
   _plot(stem, report)
 
@@ -386,6 +387,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
       f"# Study: the gap to dp across model size\n\n`python scripts/study_scaling.py "
       f"--sizes={','.join(r['size'] for r in rows)} --tokens_per_param="
       f"{_TOKENS_PER_PARAM.value:g} --seeds={','.join(map(str, seeds))}"
+      f"{f' --num_steps={_NUM_STEPS.value}' if _NUM_STEPS.value else ''}"
       f"{' --tune' if tried else ''}`; {TOKENS_PER_STEP:,} tokens per step for every arm, "
       f"inner learning rates {lrs}; estimated {seconds / 3600:.1f} h.\n\n{_plan_table(rows)}\n\n"
       f"## Final eval loss (nats/token), mean (min-max) over seeds, and the gap to dp\n\n"
@@ -403,6 +405,9 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
         sc.markdown_table(["arm", "inner lr", "validation loss"],
                           [[t["arm"], f"{t['inner_lr']:g}", f"{t['validation_loss']:.4f}"]
                            for t in tried]) + "\n"
+    edge = [arm for arm, lr in lrs.items() if lr in (min(TUNE_LRS), max(TUNE_LRS))]
+    if edge:
+      markdown += f"\nAt the edge of the grid (the best may lie beyond it): {', '.join(edge)}.\n"
   print(markdown)
   report = {"plan": rows, "seeds": seeds, "tokens_per_param": _TOKENS_PER_PARAM.value,
             "tokens_per_step": TOKENS_PER_STEP, "inner_lr": lrs, "tune": tried,
