@@ -383,6 +383,8 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
     dp = stats[f"{last} dp"]["final_eval_loss"]["mean"]
     option_rows.append([name, sc.fmt(loss), f"{100 * (loss['mean'] / dp - 1):+.2f}%",
                         sc.paired(runs, arm, f"{last} decoupled M=4")])
+  async_table = sc.markdown_table(
+      ["size", "decoupled vs streaming", "minus streaming, per seed", "published"], async_rows)
   markdown = (
       f"# Study: the gap to dp across model size\n\n`python scripts/study_scaling.py "
       f"--sizes={','.join(r['size'] for r in rows)} --tokens_per_param="
@@ -393,7 +395,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
       f"## Final eval loss (nats/token), mean (min-max) over seeds, and the gap to dp\n\n"
       f"{sc.markdown_table(header, table)}\n\n"
       f"## Asynchrony: decoupled M=4 against lock-step streaming M=4 (same M, H, P)\n\n"
-      f"{sc.markdown_table(['size', 'decoupled vs streaming', 'minus streaming, per seed', 'published'], async_rows)}\n\n"
+      f"{async_table}\n\n"
       f"## The gap's exponent: gap = A N^-alpha, least squares on log gap (per seed), 95% "
       f"interval\n\n{sc.markdown_table(['arm', 'alpha'], fit_rows)}\n")
   if option_rows or skipped:
