@@ -9,6 +9,10 @@ gradient (finite? an outlier against the norms this fragment accepted lately? `a
 so that a rejected offer never reaches the merge. The syncer runs merges of different fragments in
 worker threads and installs them on its own thread; nothing here starts a thread or waits.
 
+With `config.outer.staleness_scaling` other than "none", `merge` first scales each offer's outer
+gradient by `merge.staleness_scale` of its staleness: the versions of Theta_p installed since the
+one the offer is anchored at (`Offer.anchor_version` against the version the merge steps from).
+
 Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
 stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
 average need become one all-reduce. Programs are compiled per tensor shape, so their number does
@@ -126,14 +130,18 @@ class GlobalModel:
                initial_params: Mapping[str, np.ndarray], mesh: Mesh,
                outer_tx: optax.GradientTransformation, merge: settings_lib.MergeSettings,
                compression: settings_lib.CompressionSettings, num_learners: int,
-               inner_learning_rates: Sequence[float] | np.ndarray | None = None):
+               inner_learning_rates: Sequence[float] | np.ndarray | None = None,
+               staleness_scaling: str = "none"):
     """`inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
-    norms per unit of it); None judges them per step."""
+    norms per unit of it); None judges them per step. `staleness_scaling`:
+    `config.outer.staleness_scaling` (`merge.STALENESS_SCALINGS`)."""
     self.fragments = tuple(fragments)
     self.mesh = mesh
     self._merge = merge
     self._compression = compression
     self._tx = outer_tx
+    merge_lib.staleness_scale([], staleness_scaling)  # an unknown rule fails here, named
+    self._staleness_scaling = staleness_scaling
     shards = mesh.devices.size
     self._padded_learners = -(-num_learners // shards) * shards
     self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -288,6 +296,7 @@ class GlobalModel:
     for offer in offers:
       tokens[offer.learner], steps[offer.learner] = offer.tokens, offer.steps
     theta_p, opt_p = self._theta[p], self._opt_states[p]
+    scales = self._staleness_scales(p, offers)
     new_theta, new_opt = {}, {}
     bytes_up, encode_s, merge_s = 0, 0.0, 0.0
     weights = None
@@ -302,6 +311,8 @@ class GlobalModel:
         if self._merge.anchor == "syncer":
           # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
           stacked[offer.learner] += theta_p[name] - self._kept(p, offer.anchor_version, name)
+        if scales is not None:
+          stacked[offer.learner] *= scales[offer.learner]
       t1 = time.monotonic()
       program = self._programs[self._program_key(fragment, name)]
       theta, new_opt[name], weights = program(theta_p[name], opt_p[name], stacked, tokens, steps)
@@ -311,6 +322,17 @@ class GlobalModel:
     wire, base_version, received = self._broadcast_of(p, new_theta)
     return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, encode_s,
                        merge_s, time.monotonic() - t2, base_version, received)
+
+  def _staleness_scales(self, p: int, offers: Sequence[messages.Offer]
+                        ) -> dict[int, np.float32] | None:
+    """Per learner, the factor on its outer gradient (`merge.staleness_scale`) for a merge of p
+    now, from how far Theta_p's version is past the offer's anchor; None with the scaling off,
+    so that the default merge's arithmetic is what it always was."""
+    if self._staleness_scaling == "none":
+      return None
+    staleness = [self._versions[p] - offer.anchor_version for offer in offers]
+    scales = np.asarray(merge_lib.staleness_scale(staleness, self._staleness_scaling))
+    return {offer.learner: scales[i] for i, offer in enumerate(offers)}
 
   def _broadcast_of(self, p: int, new_theta: Mapping[str, np.ndarray]
                     ) -> tuple[dict[str, compression_lib.Encoded], int | None,
