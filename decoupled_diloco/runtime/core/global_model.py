@@ -29,9 +29,9 @@ does everyone after the syncer restored its state (`require_keyframes`), since R
 checkpointed: a restored Theta_p is not what the learners hold.
 
 Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parameter per outer
-optimizer slot (1 for SGD with momentum, 2 for Adam, 0 for plain SGD), plus the optimizer's scalar
-leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with anchor="syncer"
-only, the kept versions, plus `robust.WINDOW` norms per fragment.
+optimizer slot (1 for SGD with momentum, 2 for Adam or Delayed Nesterov, 0 for plain SGD), plus the
+optimizer's scalar leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with
+anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
 Nothing grows with the number of steps. A merge in progress adds one tensor's stacked outer
 gradients (learners x tensor size, fp32); screening adds one tensor's outer gradient at a time.
 """
@@ -140,7 +140,9 @@ class GlobalModel:
     self._merge = merge
     self._compression = compression
     self._tx = outer_tx
-    merge_lib.staleness_scale([], staleness_scaling)  # an unknown rule fails here, named
+    if staleness_scaling not in merge_lib.STALENESS_SCALINGS:
+      raise ValueError(f"config.outer.staleness_scaling={staleness_scaling!r} must be one of "
+                       f"{merge_lib.STALENESS_SCALINGS}")
     self._staleness_scaling = staleness_scaling
     shards = mesh.devices.size
     self._padded_learners = -(-num_learners // shards) * shards
