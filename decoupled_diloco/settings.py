@@ -138,6 +138,8 @@ class OuterSettings:
   name: str  # outer.OPTIMIZERS
   learning_rate: float
   momentum: float
+  nesterov_delay: int  # 0 = off; N >= 2: Delayed Nesterov (momentum once every N merges of p)
+  staleness_scaling: str  # merge.STALENESS_SCALINGS: the factor on a stale offer's outer gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,6 +529,18 @@ def _late_learners(config, mode: str, num_learners: int,
   return tuple(int(m) for m in late)
 
 
+def _nesterov_delay(config) -> int:
+  """config.outer.nesterov_delay: 0 (off) or N >= 2, for the sgd_nesterov outer optimizer only."""
+  delay = _check_int(config, "outer.nesterov_delay", 0)
+  if delay == 1:
+    _fail("outer.nesterov_delay", delay, "must be 0 (off) or >= 2: a delay of 1 is plain Nesterov")
+  name = _get(config, "outer.name")
+  if delay and name != "sgd_nesterov":
+    _fail("outer.nesterov_delay", delay, f"needs config.outer.name='sgd_nesterov' (not {name!r}): "
+          "it delays Nesterov momentum; 0 turns it off")
+  return delay
+
+
 def _resolve_sync(config, mode: str, num_learners: int) -> SyncSettings:
   period = _check_int(config, "sync.period", 1)
   num_fragments = _check_int(config, "sync.num_fragments", 1)
@@ -783,7 +797,10 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   outer_settings = OuterSettings(
       name=_check_choice(config, "outer.name", outer.OPTIMIZERS),
       learning_rate=_check_float(config, "outer.learning_rate", 0.0, low_open=True),
-      momentum=_check_float(config, "outer.momentum", 0.0, 1.0, high_open=True))
+      momentum=_check_float(config, "outer.momentum", 0.0, 1.0, high_open=True),
+      nesterov_delay=_nesterov_delay(config),
+      staleness_scaling=_check_choice(config, "outer.staleness_scaling",
+                                      merge.STALENESS_SCALINGS))
   compression_settings = CompressionSettings(
       outer_grad=_check_choice(config, "compression.outer_grad", compression.FORMATS),
       broadcast=_check_choice(config, "compression.broadcast", BROADCAST_FORMATS),

@@ -191,6 +191,12 @@ def get_config() -> ml_collections.ConfigDict:
   # (with inner.learning_rate 2e-2): the quality study's choice on the validation split, see inner.
   config.outer.learning_rate = 0.7
   config.outer.momentum = 0.3  # Nesterov / heavy-ball momentum of the outer optimizer
+  # N >= 2: Delayed Nesterov (arXiv 2401.09135, Algorithm 3), momentum folded in once every N merges
+  # of a fragment and plain steps of lr/N between, sgd_nesterov only; 0 = off (as DiLoCo)
+  config.outer.nesterov_delay = 0
+  # Scale a stale offer's outer gradient by its staleness s (versions of Theta_p since its anchor):
+  # none | inverse = 1/(1+s) (arXiv 1511.05950, lr/staleness) | inverse_sqrt = 1/sqrt(1+s)
+  config.outer.staleness_scaling = "none"
 
   config.compression = ml_collections.ConfigDict()
   # learner -> syncer outer gradients: fp32 | bf16 | int8 | int4 | int2 (ternary) | int1 (sign x

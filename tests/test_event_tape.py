@@ -111,6 +111,25 @@ def test_a_counterfactual_replay_under_average_ends_with_other_parameters(record
   assert replayed["final_eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=0.2)
 
 
+def test_a_counterfactual_replay_with_the_asynchrony_options_on_follows_the_same_pattern(
+    recorded, tmp_path):
+  recording, summary = recorded
+  replayed = _replay(tmp_path, recording, outer__nesterov_delay=2,
+                     outer__staleness_scaling="inverse")
+  assert not replayed["replay_exact"]
+  assert replayed["replay_changed_fields"] == ["outer.nesterov_delay", "outer.staleness_scaling"]
+  assert replayed["merges"] == summary["merges"]
+  assert replayed["params_sha256"] != summary["params_sha256"]
+
+
+def test_a_recording_made_before_a_field_was_added_replays_exactly_at_its_old_value():
+  now = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'", "merge.rule": "'rda'"}
+  assert event_tape.changed_fields({"merge.rule": "'rda'"}, now)["counterfactual"] == []
+  changed = event_tape.changed_fields({"merge.rule": "'rda'"},
+                                      {**now, "outer.nesterov_delay": "4"})
+  assert changed["counterfactual"] == ["outer.nesterov_delay"]
+
+
 def test_a_replay_with_other_model_settings_is_refused_naming_the_field(recorded, tmp_path):
   recording, _ = recorded
   with pytest.raises(event_tape.TapeError,

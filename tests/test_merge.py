@@ -214,3 +214,39 @@ def test_rda_sums_over_learners_without_reducing_the_learner_axis():
   for line in hlo.splitlines():
     if " reduce(" in line and "dimensions={0}" in line:
       assert "f32[64,32]" not in line.split("=")[1].split("reduce(")[0], line
+
+
+@pytest.mark.parametrize("rule, by_numpy", [
+    ("none", lambda s: np.ones_like(s)),
+    ("inverse", lambda s: 1.0 / (1.0 + s)),
+    ("inverse_sqrt", lambda s: (1.0 + s) ** -0.5),
+])
+def test_staleness_scale_matches_its_rule(rule, by_numpy):
+  staleness = np.asarray([0, 1, 2, 3, 7, 40], np.float32)
+  got = merge.staleness_scale(staleness, rule)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, by_numpy(staleness.astype(np.float64)), rtol=1e-6)
+
+
+def test_a_fresh_offer_keeps_its_full_step_and_one_anchored_ahead_counts_as_fresh():
+  for rule in merge.STALENESS_SCALINGS:
+    np.testing.assert_array_equal(merge.staleness_scale([0, -2], rule), [1.0, 1.0])
+
+
+def test_staleness_scaling_shortens_the_rda_radius_but_not_the_direction():
+  rng = np.random.default_rng(0)
+  delta = rng.standard_normal((2, 5)).astype(np.float32)
+  w = np.asarray([1.0, 3.0], np.float32)
+  scale = np.asarray(merge.staleness_scale([0, 3], "inverse"))
+  plain, scaled = merge.rda(delta, w), merge.rda(delta * scale[:, None], w)
+  # Radius: Σ w s ‖Δ‖ / Σ w; the direction is unchanged by positive factors.
+  norms = np.linalg.norm(delta, axis=1)
+  np.testing.assert_allclose(np.linalg.norm(scaled), np.sum(w * scale * norms) / np.sum(w),
+                             rtol=1e-5)
+  np.testing.assert_allclose(scaled / np.linalg.norm(scaled), plain / np.linalg.norm(plain),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_staleness_scaling_names_the_config_field():
+  with pytest.raises(ValueError, match=r"config\.outer\.staleness_scaling='linear'"):
+    merge.staleness_scale([0], "linear")

@@ -89,3 +89,97 @@ def test_bad_settings_name_the_config_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
     outer.make_outer_optimizer(**{"name": "sgd_nesterov", "learning_rate": 0.7, "momentum": 0.9,
                                   **kwargs})
+
+
+def _delayed_nesterov_by_numpy(theta, deltas, lr, mu, n):
+  """Algorithm 3 of arXiv 2401.09135 (momentum activation c = 0), written out in numpy."""
+  theta = np.asarray(theta, np.float64)
+  m, acc = np.zeros_like(theta), np.zeros_like(theta)
+  for t, g in enumerate(deltas, 1):
+    g = np.asarray(g, np.float64)
+    acc = acc + g
+    if t % n == 0:
+      m = mu * m + acc / n
+      theta = theta - lr * (g / n + mu * m)
+      acc = np.zeros_like(acc)
+    else:
+      theta = theta - lr * g / n
+  return theta
+
+
+def _deltas(count, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal(3).astype(np.float32) for _ in range(count)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_delayed_nesterov_matches_the_papers_algorithm_over_several_steps(n):
+  deltas = _deltas(11)
+  tx = outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.9, nesterov_delay=n)
+  theta = {"w": jnp.asarray([1.0, -2.0, 0.5])}
+  state = tx.init(theta)
+  for t, delta in enumerate(deltas, 1):
+    theta, state = outer.outer_step(tx, theta, state, {"w": jnp.asarray(delta)})
+    np.testing.assert_allclose(
+        theta["w"], _delayed_nesterov_by_numpy([1.0, -2.0, 0.5], deltas[:t], 0.7, 0.9, n),
+        rtol=1e-5, atol=1e-6)
+  assert int(state[0].count) == len(deltas)
+
+
+def test_delayed_nesterov_touches_the_momentum_only_every_nth_step():
+  # A buffer updated every step (plain Nesterov on g / N, or m ← μ m + g / N each step) would
+  # already differ after the second step; Delayed Nesterov leaves m at 0 until step N.
+  n, deltas = 4, _deltas(9, seed=1)
+  tx = outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.9, nesterov_delay=n)
+  theta = {"w": jnp.zeros(3)}
+  state = tx.init(theta)
+  every_step = np.zeros(3)
+  for t, delta in enumerate(deltas, 1):
+    theta, state = outer.outer_step(tx, theta, state, {"w": jnp.asarray(delta)})
+    every_step = 0.9 * every_step + delta / n
+    momentum = np.asarray(state[0].momentum["w"])
+    if t < n:
+      np.testing.assert_array_equal(momentum, 0.0)
+    if t > 1:
+      assert not np.allclose(momentum, every_step, rtol=1e-3)
+  expected = _delayed_nesterov_by_numpy(np.zeros(3), deltas, 0.7, 0.9, n)
+  np.testing.assert_allclose(theta["w"], expected, rtol=1e-5, atol=1e-6)
+  # ... and the outer steps are not plain Nesterov's either.
+  plain = _run(outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.9), jnp.zeros(3),
+               [jnp.asarray(d) for d in deltas])
+  assert not np.allclose(plain, expected, rtol=1e-3)
+
+
+def test_delayed_nesterov_over_n_steps_is_one_nesterov_step_on_their_average():
+  n, deltas = 3, _deltas(3, seed=2)
+  tx = outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.9, nesterov_delay=n)
+  got = _run(tx, jnp.zeros(3), [jnp.asarray(d) for d in deltas])
+  nesterov = outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.9)
+  once = _run(nesterov, jnp.zeros(3), [jnp.asarray(np.mean(deltas, axis=0))])
+  np.testing.assert_allclose(got, once, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_nesterov_is_jittable():
+  tx = outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.9, nesterov_delay=2)
+  step = jax.jit(lambda th, s, d: outer.outer_step(tx, th, s, d))
+  theta, state = jnp.zeros(3), tx.init(jnp.zeros(3))
+  for delta in _deltas(4, seed=3):
+    theta, state = step(theta, state, jnp.asarray(delta))
+  np.testing.assert_allclose(
+      theta, _delayed_nesterov_by_numpy(np.zeros(3), _deltas(4, seed=3), 0.7, 0.9, 2),
+      rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"nesterov_delay": 1}, r"config\.outer\.nesterov_delay=1 must be 0 \(off\) or"),
+        ({"nesterov_delay": -2}, r"config\.outer\.nesterov_delay=-2"),
+        ({"nesterov_delay": 4, "name": "adam"},
+         r"config\.outer\.nesterov_delay=4 needs config\.outer\.name='sgd_nesterov'"),
+    ],
+)
+def test_bad_nesterov_delay_names_the_config_field(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    outer.make_outer_optimizer(**{"name": "sgd_nesterov", "learning_rate": 0.7, "momentum": 0.9,
+                                  **kwargs})

@@ -45,6 +45,10 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("merge.alpha", float("nan"), "config.merge.alpha=nan"),
     ("outer.name", "lion", "config.outer.name"),
     ("outer.learning_rate", -1.0, "config.outer.learning_rate"),
+    ("outer.nesterov_delay", -1, "config.outer.nesterov_delay=-1 is invalid: must be >= 0"),
+    ("outer.nesterov_delay", 1, "config.outer.nesterov_delay=1 is invalid: must be 0 (off) or >= 2"),
+    ("outer.staleness_scaling", "linear", "config.outer.staleness_scaling='linear' is invalid: "
+     "must be one of none, inverse, inverse_sqrt"),
     ("compression.outer_grad", "int3", "config.compression.outer_grad='int3'"),
     ("compression.broadcast", "int4", "config.compression.broadcast='int4'"),
     ("compression.broadcast_delta", "int3", "config.compression.broadcast_delta='int3' is invalid: "
@@ -79,6 +83,16 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
   _assert_fails(field, value, needle)
+
+
+def test_nesterov_delay_needs_the_nesterov_outer_optimizer():
+  config = _config(**{"outer.name": "adam", "outer.nesterov_delay": 4})
+  with pytest.raises(ValueError, match=r"config\.outer\.nesterov_delay=4 is invalid: needs "
+                     r"config\.outer\.name='sgd_nesterov' \(not 'adam'\)"):
+    settings.validate(config)
+  run = settings.validate(_config(**{"outer.nesterov_delay": 4,
+                                     "outer.staleness_scaling": "inverse_sqrt"}))
+  assert (run.outer.nesterov_delay, run.outer.staleness_scaling) == (4, "inverse_sqrt")
 
 
 def test_the_renamed_data_path_says_its_new_name_and_why():

@@ -893,3 +893,38 @@ def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_oth
     np.testing.assert_array_equal(link.versions, versions, err_msg=f"learner {link.index}")
     for name, value in received.items():
       np.testing.assert_array_equal(link.anchors[name], value, err_msg=f"{link.index} {name}")
+
+
+# ---- staleness scaling (config.outer.staleness_scaling) ----------------------------------------
+
+
+@pytest.mark.parametrize("rule, factor", [("none", 1.0), ("inverse", 1 / 3), ("inverse_sqrt",
+                                                                              3 ** -0.5)])
+def test_a_stale_offer_takes_a_step_shortened_by_its_staleness(rule, factor):
+  # Outer SGD at lr 1, average rule: Theta moves by exactly the (scaled) outer gradient. Two
+  # merges from offers anchored at version 0, then one more still anchored there: staleness 2.
+  shapes = {"w": (3, 4)}
+  fragments = fragments_lib.partition(
+      {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes.items()}, 1, "balanced")
+  model = global_model_lib.GlobalModel(
+      fragments=fragments, initial_params={"w": np.zeros((3, 4), np.float32)},
+      mesh=Mesh(np.array(jax.devices()[:1]), ("learner",)),
+      outer_tx=outer.make_outer_optimizer("sgd", 1.0, 0.0),
+      merge=default_settings("merge", rule="average"),
+      compression=default_settings("compression", outer_grad="fp32"), num_learners=1,
+      staleness_scaling=rule)
+  model.compile()
+  anchor = {"w": np.zeros((3, 4), np.float32)}
+
+  def offer(k):
+    return messages.Offer(learner=0, fragment=0, step=k + 1, since=k, steps=1, tokens=100,
+                          anchor_version=0, values={"w": np.full((3, 4), -0.5, np.float32)},
+                          anchor=anchor)
+
+  first = model.merge(0, (offer(0),))
+  np.testing.assert_allclose(first.theta["w"], -0.5)  # staleness 0: the learner's values
+  model.install(first)
+  model.install(model.merge(0, (offer(1),)))
+  before = model.fragment_params(0)["w"]
+  stale = model.merge(0, (offer(2),))
+  np.testing.assert_allclose(stale.theta["w"] - before, -0.5 * factor, rtol=1e-6)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 
 WEIGHTINGS = ("tokens_sq_over_steps", "tokens", "uniform")
 MERGE_RULES = ("rda", "average")
+# config.outer.staleness_scaling: the factor on a stale learner's outer gradient (`staleness_scale`).
+STALENESS_SCALINGS = ("none", "inverse", "inverse_sqrt")
 
 PyTree = Any
 
@@ -50,6 +52,35 @@ def learner_weights(tokens_M, steps_M, rule: str) -> jax.Array:
   # token count is never formed.
   safe_steps_M = jnp.where(valid_M, steps_M, 1.0)
   return jnp.where(valid_M, tokens_M * (tokens_M / safe_steps_M), 0.0)
+
+
+def staleness_scale(staleness_M, rule: str) -> jax.Array:
+  """Per-learner factor on the outer gradient Δ_m, from its staleness s_m: how many versions of
+  Θ_p were installed after the one the learner's offer is anchored at (0: anchored at the Θ_p the
+  merge steps from).
+
+    ``inverse``:       (1 + s_m)^-1     Staleness-aware async SGD (Zhang et al. 2016,
+                                        arXiv 1511.05950): lr / τ, with τ = 1 + s counted from 1
+                                        so that a fresh offer keeps its full step.
+    ``inverse_sqrt``:  (1 + s_m)^-1/2   FedAsync's polynomial staleness function (Xie et al. 2019,
+                                        arXiv 1903.03934) (1 + s)^-a with a = 1/2: a gentler one.
+    ``none``:          1.
+
+  Scaling Δ_m by the factor is each stale offer taking a shorter outer step, as in those papers'
+  per-gradient learning rates: under RDA it shortens the merged length (the weighted mean of the
+  lengths) and leaves the directions alone; under the weighted average it does both. The merge
+  weights w_m stay what the counters say.
+  """
+  if rule not in STALENESS_SCALINGS:
+    raise ValueError(
+        f"config.outer.staleness_scaling={rule!r} must be one of {STALENESS_SCALINGS}")
+  # An offer anchored ahead of Θ_p (a syncer that restored an older state) counts as fresh.
+  staleness_M = jnp.maximum(jnp.asarray(staleness_M, jnp.float32), 0.0)
+  if rule == "inverse":
+    return 1.0 / (1.0 + staleness_M)
+  if rule == "inverse_sqrt":
+    return 1.0 / jnp.sqrt(1.0 + staleness_M)
+  return jnp.ones_like(staleness_M)
 
 
 def outer_gradient(anchor: PyTree, local: PyTree) -> PyTree:

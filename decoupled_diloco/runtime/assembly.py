@@ -114,7 +114,8 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
       # Theta and the outer state are float32 whatever config.model.param_dtype.
       initial_params={n: np.asarray(v, np.float32) for n, v in layout.to_flat(initial).items()},
       outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
-                                          settings.outer.momentum),
+                                          settings.outer.momentum, settings.outer.nesterov_delay),
+      staleness_scaling=settings.outer.staleness_scaling,
       merge=settings.merge, compression=settings.compression,
       num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
       metrics=metrics, network=network,

@@ -9,6 +9,10 @@ gradient (finite? an outlier against the norms this fragment accepted lately? `a
 so that a rejected offer never reaches the merge. The syncer runs merges of different fragments in
 worker threads and installs them on its own thread; nothing here starts a thread or waits.
 
+With `config.outer.staleness_scaling` other than "none", `merge` first scales each offer's outer
+gradient by `merge.staleness_scale` of its staleness: the versions of Theta_p installed since the
+one the offer is anchored at (`Offer.anchor_version` against the version the merge steps from).
+
 Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
 stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
 average need become one all-reduce. Programs are compiled per tensor shape, so their number does
@@ -25,9 +29,9 @@ does everyone after the syncer restored its state (`require_keyframes`), since R
 checkpointed: a restored Theta_p is not what the learners hold.
 
 Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parameter per outer
-optimizer slot (1 for SGD with momentum, 2 for Adam, 0 for plain SGD), plus the optimizer's scalar
-leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with anchor="syncer"
-only, the kept versions, plus `robust.WINDOW` norms per fragment.
+optimizer slot (1 for SGD with momentum, 2 for Adam or Delayed Nesterov, 0 for plain SGD), plus the
+optimizer's scalar leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with
+anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
 Nothing grows with the number of steps. A merge in progress adds one tensor's stacked outer
 gradients (learners x tensor size, fp32); screening adds one tensor's outer gradient at a time.
 """
@@ -126,14 +130,20 @@ class GlobalModel:
                initial_params: Mapping[str, np.ndarray], mesh: Mesh,
                outer_tx: optax.GradientTransformation, merge: settings_lib.MergeSettings,
                compression: settings_lib.CompressionSettings, num_learners: int,
-               inner_learning_rates: Sequence[float] | np.ndarray | None = None):
+               inner_learning_rates: Sequence[float] | np.ndarray | None = None,
+               staleness_scaling: str = "none"):
     """`inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
-    norms per unit of it); None judges them per step."""
+    norms per unit of it); None judges them per step. `staleness_scaling`:
+    `config.outer.staleness_scaling` (`merge.STALENESS_SCALINGS`)."""
     self.fragments = tuple(fragments)
     self.mesh = mesh
     self._merge = merge
     self._compression = compression
     self._tx = outer_tx
+    if staleness_scaling not in merge_lib.STALENESS_SCALINGS:
+      raise ValueError(f"config.outer.staleness_scaling={staleness_scaling!r} must be one of "
+                       f"{merge_lib.STALENESS_SCALINGS}")
+    self._staleness_scaling = staleness_scaling
     shards = mesh.devices.size
     self._padded_learners = -(-num_learners // shards) * shards
     self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -288,6 +298,7 @@ class GlobalModel:
     for offer in offers:
       tokens[offer.learner], steps[offer.learner] = offer.tokens, offer.steps
     theta_p, opt_p = self._theta[p], self._opt_states[p]
+    scales = self._staleness_scales(p, offers)
     new_theta, new_opt = {}, {}
     bytes_up, encode_s, merge_s = 0, 0.0, 0.0
     weights = None
@@ -302,6 +313,8 @@ class GlobalModel:
         if self._merge.anchor == "syncer":
           # Delta = Theta_now - theta_m = (anchor_m - theta_m) + (Theta_now - anchor_m).
           stacked[offer.learner] += theta_p[name] - self._kept(p, offer.anchor_version, name)
+        if scales is not None:
+          stacked[offer.learner] *= scales[offer.learner]
       t1 = time.monotonic()
       program = self._programs[self._program_key(fragment, name)]
       theta, new_opt[name], weights = program(theta_p[name], opt_p[name], stacked, tokens, steps)
@@ -311,6 +324,17 @@ class GlobalModel:
     wire, base_version, received = self._broadcast_of(p, new_theta)
     return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, encode_s,
                        merge_s, time.monotonic() - t2, base_version, received)
+
+  def _staleness_scales(self, p: int, offers: Sequence[messages.Offer]
+                        ) -> dict[int, np.float32] | None:
+    """Per learner, the factor on its outer gradient (`merge.staleness_scale`) for a merge of p
+    now, from how far Theta_p's version is past the offer's anchor; None with the scaling off,
+    so that the default merge's arithmetic is what it always was."""
+    if self._staleness_scaling == "none":
+      return None
+    staleness = [self._versions[p] - offer.anchor_version for offer in offers]
+    scales = np.asarray(merge_lib.staleness_scale(staleness, self._staleness_scaling))
+    return {offer.learner: scales[i] for i, offer in enumerate(offers)}
 
   def _broadcast_of(self, p: int, new_theta: Mapping[str, np.ndarray]
                     ) -> tuple[dict[str, compression_lib.Encoded], int | None,

@@ -122,6 +122,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       inner_learning_rates: Sequence[float] | np.ndarray | None = None,
       learners_sharing_devices: int = 1,
       clock: Callable[[], float] = time.monotonic,
+      staleness_scaling: str = "none",
   ):
     # Seconds for the quorum and grace deadlines, heartbeats and timings on the tape. A test may
     # drive it by hand, so that a deadline falls where the test says, not where the host's load
@@ -136,7 +137,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self.model = global_model_lib.GlobalModel(
         fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
         merge=merge, compression=compression, num_learners=num_learners,
-        inner_learning_rates=inner_learning_rates)
+        inner_learning_rates=inner_learning_rates, staleness_scaling=staleness_scaling)
     self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
     self._incarnations: dict[int, int] = {}

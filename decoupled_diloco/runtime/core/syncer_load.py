@@ -105,7 +105,8 @@ def time_merge(settings: settings_lib.RunSettings, fragment: fragments_lib.Fragm
       fragments=(dataclasses.replace(fragment, index=0),), initial_params=initial,
       mesh=Mesh(np.array(jax.devices("cpu")[:1]), (devices_lib.SYNCER_AXIS,)),
       outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
-                                          settings.outer.momentum),
+                                          settings.outer.momentum, settings.outer.nesterov_delay),
+      staleness_scaling=settings.outer.staleness_scaling,
       merge=settings.merge, compression=settings.compression, num_learners=learners)
   model.compile()
   worker, worker_cpu, install = [], [], []

@@ -73,6 +73,9 @@ IGNORED = ("workdir", "replay", "tape", "restore", "checkpoint.", "log_every", "
            "learner_step_delays_s", "learner_step_noise_s", "sync.", "chaos.", "late_learners")
 # ... except these sync fields, which shape the fragments themselves.
 _SYNC_STRUCTURE = ("sync.num_fragments", "sync.fragmentation")
+# Fields added since tape format 1, each with the value a recording made before it ran as: such a
+# recording replayed at that value is an exact replay, not a counterfactual one.
+_ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'"}
 # A learner's own events: its takes and applies, and the respawn that starts an incarnation.
 _LEARNER_KINDS = ("take", "apply", "respawn")
 # Records of a restart a replay does not follow yet.
@@ -110,7 +113,7 @@ def changed_fields(recorded: Mapping[str, str], now: Mapping[str, str]) -> dict[
   cannot be followed)."""
   out = {"counterfactual": [], "ignored": [], "structural": []}
   for name in sorted(set(recorded) | set(now)):
-    if recorded.get(name) == now.get(name):
+    if recorded.get(name, _ADDED_FIELDS.get(name)) == now.get(name):
       continue
     if name.startswith(COUNTERFACTUAL):
       out["counterfactual"].append(name)
