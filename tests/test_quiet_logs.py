@@ -25,6 +25,12 @@ def _record(pathname, level, msg, *args):
 def test_the_runs_own_info_lines_pass_and_the_libraries_do_not():
   keep = quiet_logs.LibraryInfoFilter().filter
   assert keep(_record(_OWN, logging.INFO, "step %d/%d | loss 2.5", 25, 400))
+  # Every folder of the package is the run's own, its top level too: settings.py says at
+  # start-up when it cut a short run's warmup.
+  for module in ("settings.py", os.path.join("lm", "data.py"),
+                 os.path.join("runtime", "core", "learner.py")):
+    path = os.path.join(os.path.dirname(decoupled_diloco.__file__), module)
+    assert keep(_record(path, logging.INFO, "config.inner.warmup_steps=40 is more than 50%")), path
   orbax = os.path.join(_SITE, "orbax", "checkpoint", "_src", "path", "atomicity.py")
   assert not keep(_record(orbax, logging.INFO, "Creating tmp directory %s", "/tmp/x"))
   jax_cache = os.path.join(_SITE, "jax", "_src", "compilation_cache.py")

@@ -22,7 +22,10 @@ import sys
 
 from absl import logging
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import decoupled_diloco
+
+# The whole package, wherever this module sits in it (settings.py's lines are the run's own too).
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(decoupled_diloco.__file__))
 
 # (a directory in the logging file's path, the start of the message): warnings that say nothing
 # the user must act on.
