@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import decoupled_diloco
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.transport import ray_plumbing
 from decoupled_diloco.runtime.transport import ray_runtime
@@ -334,3 +335,9 @@ def test_a_call_from_outside_the_job_is_rejected_and_counted(tmp_path):
     assert ray.get(syncer.poll.remote(0, 0.0))["rejected_calls"] == 2
   finally:
     ray_runtime.shutdown(list(run.learners) + [run.syncer])
+
+
+def test_the_workers_import_path_holds_this_copy_of_the_package():
+  root = ray_runtime.package_root()
+  assert os.path.samefile(os.path.join(root, "decoupled_diloco", "__init__.py"),
+                          decoupled_diloco.__file__)

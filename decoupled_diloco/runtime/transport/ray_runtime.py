@@ -61,6 +61,7 @@ import jax
 import numpy as np
 from absl import logging
 
+import decoupled_diloco
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
@@ -77,6 +78,12 @@ from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
 LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0"}
 
 
+def package_root() -> str:
+  """The directory that holds the package: first on the workers' PYTHONPATH, so that every actor
+  imports this very copy of it, installed or not."""
+  return os.path.dirname(os.path.dirname(os.path.abspath(decoupled_diloco.__file__)))
+
+
 def start_ray(address: str, num_processes: int) -> None:
   """Starts a local Ray inside this process (`address` "") or joins a cluster ("auto" or an
   address). A local one listens on loopback only; Ray's own token authentication stays on."""
@@ -86,7 +93,7 @@ def start_ray(address: str, num_processes: int) -> None:
     return
   for key, value in LOCAL_ENV.items():
     os.environ.setdefault(key, value)
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  root = package_root()
   runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
       p for p in (root, os.environ.get("PYTHONPATH", "")) if p), **LOCAL_ENV}}
   if address:
