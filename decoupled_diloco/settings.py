@@ -87,6 +87,12 @@ class RaySettings:
   # 1/this of the learner's devices, and together they run the learner as one jax.distributed
   # job. 1: a learner is one process.
   processes_per_learner: int
+  # A custom Ray resource every learner process asks one unit of ("" = none: any node with a free
+  # CPU). Nodes that advertise it (`ray start --resources='{"NAME": 1}'`) are the hosts learners run
+  # on; one more such node than processes is the spare a learner restarts on when its host is lost.
+  learner_resource: str = ""
+  # The same for the syncer's process: the host(s) it runs and restarts on.
+  syncer_resource: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -733,6 +739,8 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
   if not isinstance(address, str):
     _fail("ray.address", address, "must be a string: '' (a local Ray started by the command), "
           "'auto' or a cluster address")
+  resources = {field: _ray_resource(config, field, runtime)
+               for field in ("ray.learner_resource", "ray.syncer_resource")}
   if runtime == "ray":
     # What the Ray runtime runs so far (docs/ray.md): the rest fails here, named.
     if mode != "decoupled":
@@ -744,7 +752,23 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
             f"{', '.join(other)} (use runtime='threads')")
     if late_learners:
       _fail("runtime", runtime, "does not hold late learners back yet (config.late_learners)")
-  return runtime, RaySettings(address=address, processes_per_learner=processes)
+  return runtime, RaySettings(address=address, processes_per_learner=processes,
+                              learner_resource=resources["ray.learner_resource"],
+                              syncer_resource=resources["ray.syncer_resource"])
+
+
+# Resources Ray itself accounts for: a placement field names a custom one.
+_RAY_OWN_RESOURCES = ("CPU", "GPU", "TPU", "memory", "object_store_memory")
+
+
+def _ray_resource(config, field: str, runtime: str) -> str:
+  name = _get(config, field)
+  if not isinstance(name, str) or name != name.strip() or name in _RAY_OWN_RESOURCES:
+    _fail(field, name, "must be '' or the name of a custom Ray resource that the hosts for this "
+          f"role advertise (not one of {', '.join(_RAY_OWN_RESOURCES)})")
+  if name and runtime != "ray":
+    _fail(field, name, "places Ray actors: it needs config.runtime='ray'")
+  return name
 
 
 def validate(config: ml_collections.ConfigDict) -> RunSettings:

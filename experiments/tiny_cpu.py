@@ -99,6 +99,11 @@ def get_config() -> ml_collections.ConfigDict:
   # keeps in lock-step. A lost process takes its learner's others down with it, and the learner
   # rejoins as a whole. Must divide each learner's device count.
   config.ray.processes_per_learner = 1
+  # runtime=ray on a cluster: the custom Ray resource each learner process (and the syncer) asks
+  # one unit of, so they run on the hosts that advertise it (`ray start --resources='{"NAME": 1}'`);
+  # a lost host's learner restarts on a spare that advertises it too. "" = any node with a CPU.
+  config.ray.learner_resource = ""
+  config.ray.syncer_resource = ""
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use

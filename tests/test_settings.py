@@ -279,6 +279,20 @@ def test_the_delta_broadcast_is_validated_with_the_fields_it_depends_on():
     settings.validate(_config(**{"compression.broadcast_delta": "int2", "runtime": "ray"}))
 
 
+def test_the_ray_placement_resources_are_validated():
+  run = settings.validate(_config(**{"runtime": "ray", "ray.learner_resource": "learner_host",
+                                     "ray.syncer_resource": "syncer_host"}))
+  assert (run.ray.learner_resource, run.ray.syncer_resource) == ("learner_host", "syncer_host")
+  assert settings.validate(_config()).ray.learner_resource == ""
+  with pytest.raises(ValueError, match=r"config\.ray\.learner_resource='learner_host' is invalid: "
+                     r"places Ray actors: it needs config\.runtime='ray'"):
+    settings.validate(_config(**{"ray.learner_resource": "learner_host"}))
+  for bad in ("CPU", " host"):
+    with pytest.raises(ValueError, match=r"config\.ray\.syncer_resource=.* is invalid: must be '' "
+                       "or the name of a custom Ray resource"):
+      settings.validate(_config(**{"runtime": "ray", "ray.syncer_resource": bad}))
+
+
 def test_processes_per_learner_is_validated_with_the_runtime_and_the_meshes():
   assert settings.validate(_config()).ray.processes_per_learner == 1
   run = settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 2}))

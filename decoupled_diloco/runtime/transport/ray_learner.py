@@ -64,6 +64,9 @@ class RemoteLearner:
     self.layout, self.state_like = layout, like
     self.num_devices, self.device_kind = num_devices, device_kind
     self.pid = self.pids[0]
+    import ray  # pylint: disable=g-import-not-at-top
+    # The Ray nodes (hosts) its processes run on, leader first.
+    self.nodes = ray.get([a.node.remote() for a in self._actors], timeout=plumbing.CALL_TIMEOUT_S)
     self._placement = placement  # a multi-process learner's placement group (all incarnations)
     # The lists the statuses' latest entries are appended to; the rest is read from `_status`.
     self.losses: list[float] = []
@@ -251,14 +254,16 @@ class RemoteLearner:
     mac = plumbing.sign(self._secret, "restore", self.index, incarnation)
     pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in self._actors],
                    timeout=plumbing.CALL_TIMEOUT_S * 5)
-    for i, pid in enumerate(pids):
-      logging.info("learner %d pid %d (incarnation %d%s)", self.index, pid, incarnation,
-                   f", process {i} of {len(pids)}" if len(pids) > 1 else "")
-    return RemoteLearner(self.index, self.actor, secret=self._secret, port=self._port,
+    made = RemoteLearner(self.index, self.actor, secret=self._secret, port=self._port,
                          metrics=self._metrics, layout=self.layout, like=self.state_like,
                          num_devices=self.num_devices, device_kind=self.device_kind,
                          incarnation=incarnation, pid=pids, step_hook=self._step_hook,
                          placement=self._placement)
+    for i, (pid, node) in enumerate(zip(pids, made.nodes)):
+      logging.info("learner %d pid %d (incarnation %d%s)%s", self.index, pid, incarnation,
+                   f", process {i} of {len(pids)}" if len(pids) > 1 else "",
+                   plumbing.on_node(node))
+    return made
 
   def process_up(self) -> bool:
     """Whether this learner's process answers (after a death: whether Ray has restarted it and its

@@ -129,3 +129,11 @@ def wait_until_up(actor, name: str, timeout_s: float = 5 * CALL_TIMEOUT_S) -> in
       if time.monotonic() > deadline:
         raise RuntimeError(f"{name}: its process did not come back within {timeout_s} s")
       time.sleep(0.2)
+
+
+def on_node(node_id: str) -> str:
+  """' on node <id>' where the Ray holds several nodes (a cluster: which host a process landed on
+  is worth a log line), else '' (a local Ray is one node)."""
+  import ray  # pylint: disable=g-import-not-at-top
+  alive = sum(1 for n in ray.nodes() if n["Alive"])
+  return f" on node {node_id[:12]}" if alive > 1 else ""

@@ -308,6 +308,11 @@ class LearnerProcess:
   def pid(self) -> int:
     return os.getpid()
 
+  def node(self) -> str:
+    """The id of the Ray node (host) this process runs on."""
+    import ray  # pylint: disable=g-import-not-at-top
+    return ray.get_runtime_context().get_node_id()
+
   def start(self, incarnation: int, mac: str) -> None:
     self._check(mac, "start", incarnation)
     if not self._started:
@@ -391,6 +396,8 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
   import ray  # pylint: disable=g-import-not-at-top
   actor_class = ray.remote(LearnerProcess)
   processes = settings.ray.processes_per_learner
+  # config.ray.learner_resource: every process on a host that advertises it.
+  resources = {settings.ray.learner_resource: 1} if settings.ray.learner_resource else {}
   groups = []
   groups_placed = {}  # learner -> its placement group (multi-process learners)
   for m, shape in enumerate(settings.learner_mesh_shapes):
@@ -411,7 +418,7 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
       # local Ray is one node: packed there.
       from ray.util import placement_group  # pylint: disable=g-import-not-at-top
       from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pylint: disable=g-import-not-at-top
-      group = placement_group([{"CPU": 1}] * processes,
+      group = placement_group([{"CPU": 1, **resources}] * processes,
                               strategy="STRICT_SPREAD" if settings.ray.address else "PACK")
       if not group.wait(plumbing.CALL_TIMEOUT_S):
         raise RuntimeError(
@@ -426,7 +433,8 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
         max_restarts=max(settings.max_restarts, 0),
         # A multi-process learner's pulls wait in the call for the next step boundary.
         max_concurrency=8 if processes == 1 else 64, num_cpus=1, runtime_env={"env_vars": env},
-        **({"scheduling_strategy": placement[i]} if placement else {}),
+        **({"scheduling_strategy": placement[i]} if placement
+           else {"resources": resources} if resources else {}),
     ).remote(settings, m, secret, cuts.get(m), i) for i in range(processes)])
   learners = []
   for m, actors in enumerate(groups):
@@ -434,9 +442,6 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
       pids = ray_learner.join_group(actors, m, secret)
     else:
       pids = [ray.get(actors[0].pid.remote(), timeout=plumbing.CALL_TIMEOUT_S * 5)]
-    for i, pid in enumerate(pids):
-      logging.info("learner %d pid %d%s", m, pid,
-                   f" (process {i} of {processes})" if processes > 1 else "")
     learners.append(ray_learner.RemoteLearner(
         m, actors if processes > 1 else actors[0], secret=secret, port=port, metrics=metrics,
         layout=layout, like=None,
@@ -446,4 +451,8 @@ def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, m
         incarnation=cuts[m].incarnation if m in cuts else 0,
         pid=pids if processes > 1 else pids[0], step_hook=step_hook,
         placement=groups_placed.get(m)))
+    for i, (pid, node) in enumerate(zip(pids, learners[-1].nodes)):
+      logging.info("learner %d pid %d%s%s", m, pid,
+                   f" (process {i} of {processes})" if processes > 1 else "",
+                   plumbing.on_node(node))
   return learners

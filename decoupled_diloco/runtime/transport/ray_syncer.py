@@ -131,6 +131,11 @@ class SyncerProcess:
   def pid(self) -> int:
     return os.getpid()
 
+  def node(self) -> str:
+    """The id of the Ray node (host) this process runs on."""
+    import ray  # pylint: disable=g-import-not-at-top
+    return ray.get_runtime_context().get_node_id()
+
   def compile_seconds(self) -> float:
     return self.syncer.compile_seconds
 
@@ -228,6 +233,7 @@ class RemoteSyncer:
     from decoupled_diloco.runtime.core import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
     self._actor, self._secret, self._metrics = actor, secret, metrics
     self.pid = self.get("pid")
+    self.node = self.get("node")  # the Ray node (host) its process runs on
     self.compile_seconds = self.get("compile_seconds")
     self.model = _RemoteModel(self)
     self.stats = stats if stats is not None else syncer_lib.SyncerStats()
@@ -238,7 +244,7 @@ class RemoteSyncer:
     self._final: dict[str, Any] | None = None
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="watch-syncer", daemon=True)
-    logging.info("syncer pid %d", self.pid)
+    logging.info("syncer pid %d%s", self.pid, plumbing.on_node(self.node))
 
   def get(self, method: str, *args, timeout: float = plumbing.CALL_TIMEOUT_S):
     import ray  # pylint: disable=g-import-not-at-top
@@ -385,6 +391,8 @@ def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> 
          "XLA_FLAGS": devices_lib.xla_flags_with_device_count(settings.syncer.num_devices + 1)}
   actor = ray.remote(SyncerProcess).options(
       name=name, max_restarts=-1, max_concurrency=16, num_cpus=1,
+      # config.ray.syncer_resource: on (and restarted on) a host that advertises it.
+      **({"resources": {settings.ray.syncer_resource: 1}} if settings.ray.syncer_resource else {}),
       runtime_env={"env_vars": env}).remote(settings, secret)
   # Its process builds and compiles before it answers: the time a restarted syncer and every
   # learner get (a plain call's 120 s ran out on a loaded 2-core host).

@@ -1,0 +1,200 @@
+"""config.runtime=ray on a cluster of several Ray nodes on this machine (`ray.cluster_utils.Cluster`,
+loopback only): the learners and the syncer placed on their hosts by custom resources
+(config.ray.learner_resource, config.ray.syncer_resource), and a whole host lost mid-run with
+every process on it (`Cluster.remove_node`), as a lost TPU host or GPU node."""
+
+import threading
+import time
+
+import pytest
+
+from decoupled_diloco.runtime import train
+from decoupled_diloco.runtime.transport import ray_runtime  # sets Ray's loopback variable first
+from tests.conftest import tiny_settings
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+# Six Ray nodes (each its own raylet and object store) and the actors' JAX start-ups on 2 cores.
+pytestmark = pytest.mark.timeout(900)
+
+LEARNER_HOST, SYNCER_HOST = "learner_host", "syncer_host"
+_CACHE = {"dir": ""}
+
+
+def _node_args(resource: str | None, num_cpus: int = 1) -> dict:
+  return dict(num_cpus=num_cpus, node_ip_address="127.0.0.1",
+              resources={resource: 1} if resource else {}, env_vars=dict(ray_runtime.LOCAL_ENV))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+  """A head (the driver's node), three learner hosts (two learners and a spare) and two syncer
+  hosts (the syncer and a spare), all on loopback. The head has the most CPUs and none of the
+  custom resources: Ray's default scheduling prefers the caller's node, so an actor that did not
+  ask for its host's resource would land there, and the placement asserts would fail. A lost node
+  is dead to Ray within about two seconds (health checks every 0.5 s)."""
+  _CACHE["dir"] = str(tmp_path_factory.mktemp("ray_jax_cache"))
+  made = cluster_utils.Cluster(initialize_head=True, head_node_args=dict(
+      _node_args(None, num_cpus=8), _system_config={"health_check_period_ms": 500,
+                                        "health_check_failure_threshold": 3}))
+  for resource in (LEARNER_HOST,) * 3 + (SYNCER_HOST,) * 2:
+    made.add_node(**_node_args(resource))
+  made.wait_for_nodes()
+  ray.init(address=made.address)
+  assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}  # loopback only
+  yield made
+  ray.shutdown()
+  made.shutdown()
+
+
+def _settings(cluster, tmp_path, **overrides):
+  fields = dict(runtime="ray", num_learners=2, num_steps=40, checkpoint__every_steps=0,
+                learner_mesh_shapes=((1, 1),), compilation_cache_dir=_CACHE["dir"],
+                max_restarts=1, learner_step_delays_s=(0.3, 0.3), ray__address=cluster.address,
+                ray__learner_resource=LEARNER_HOST, ray__syncer_resource=SYNCER_HOST)
+  fields.update(overrides)
+  return tiny_settings(tmp_path, **fields)
+
+
+def _hosts(resource: str) -> set[str]:
+  return {n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]}
+
+
+def _remove_host(cluster, node_id: str) -> None:
+  """Takes the node away with every process on it (its raylet and object store too), at once."""
+  [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+  cluster.remove_node(node, allow_graceful=False)
+
+
+@pytest.fixture(autouse=True)
+def hosts_back(cluster):
+  """After each test, the hosts it lost are added back (from the main thread: Ray's node start
+  sets a signal handler), so that every test starts from three learner and two syncer hosts."""
+  yield
+  for resource, count in ((LEARNER_HOST, 3), (SYNCER_HOST, 2)):
+    for _ in range(count - len(_hosts(resource))):
+      cluster.add_node(**_node_args(resource))
+  cluster.wait_for_nodes()
+
+
+def _when(run, condition, then) -> threading.Thread:
+  """A started thread that calls then() once condition() holds (within 120 s)."""
+
+  def wait():
+    deadline = time.monotonic() + 120
+    while not condition():
+      if time.monotonic() > deadline:
+        return
+      time.sleep(0.01)
+    then()
+
+  thread = threading.Thread(target=wait, daemon=True)
+  thread.start()
+  return thread
+
+
+def _accounting_closes(summary) -> None:
+  accounting = summary["fragment_token_accounting"]
+  assert accounting["made"] == sum(accounting[k] for k in (
+      "merged", "discarded", "lost_at_failures", "unmerged_at_end")), accounting
+
+
+@pytest.mark.slow  # the host-loss test below checks the learners' placement in the default suite
+def test_the_learners_and_the_syncer_run_on_the_hosts_their_resources_name(cluster, tmp_path):
+  run = train.build(_settings(cluster, tmp_path, num_steps=8))
+  learner_nodes = [l.nodes[0] for l in run.learners]
+  syncer_node = run.syncer.node
+  summary = train.execute(run, progress=False)
+  assert len(set(learner_nodes)) == 2 and set(learner_nodes) <= _hosts(LEARNER_HOST)
+  assert syncer_node in _hosts(SYNCER_HOST)
+  assert summary["learner_steps"] == [8, 8] and summary["learner_errors"] == [None, None]
+
+
+def test_a_learner_s_host_lost_mid_run_it_rejoins_on_the_spare_host(cluster, tmp_path):
+  """Learner 1's node is removed at its step 4 (its raylet, object store and every process on it
+  killed at once): learner 0 trains on, Ray restarts learner 1's actor on the spare learner host,
+  and learner 1 rejoins there from learner 0's state and finishes every step."""
+  run = train.build(_settings(cluster, tmp_path))
+  first = [l.nodes[0] for l in run.learners]
+  assert len(set(first)) == 2 and set(first) <= _hosts(LEARNER_HOST)
+  lost = {}
+
+  def remove():
+    lost["step0"] = run.learners[0].step
+    _remove_host(cluster, first[1])
+
+  remover = _when(run, lambda: run.learners[1].step >= 4, remove)
+  summary = train.execute(run, progress=False)
+  remover.join()
+  assert lost and lost["step0"] < 32  # learner 0 had most of its steps ahead of it
+  now = [l.nodes[0] for l in run.learners]
+  assert now[0] == first[0] and now[1] != first[1]
+  assert now[1] in _hosts(LEARNER_HOST) and now[1] not in first  # on the spare
+  assert [l.incarnation for l in run.learners] == [0, 1]
+  assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [40, 40]
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and "its process is gone" in failure["error"]
+  assert failure["state_from"] == "learner 0" and summary["rejoins"] == 1
+  assert summary["double_merged_offers"] == 0 and summary["merges"] >= 4
+  _accounting_closes(summary)
+
+
+@pytest.mark.slow  # the test above loses a learner's host in the default suite
+def test_the_syncer_s_host_lost_mid_run_it_is_restored_on_the_spare_host(cluster, tmp_path):
+  """The syncer's node is removed once both learners have made 4 steps: Ray restarts the syncer's
+  actor on the other syncer host, the keeper restores it from its checkpoint and the learners'
+  newest publications, and merging goes on."""
+  run = train.build(_settings(cluster, tmp_path, checkpoint__every_steps=8))
+  first = run.syncer.node
+  lost = {}
+
+  def remove():
+    lost["pid"] = run.syncer.pid
+    _remove_host(cluster, first)
+
+  remover = _when(run, lambda: min(l.step for l in run.learners) >= 4, remove)
+  summary = train.execute(run, progress=False)
+  remover.join()
+  assert lost
+  assert run.keeper.syncer.node != first
+  assert summary["syncer_restarts"] == 1 and run.keeper.syncer.pid != lost["pid"]
+  assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [40, 40]
+  assert summary["double_merged_offers"] == 0 and summary["merges"] >= 4
+  _accounting_closes(summary)
+
+
+@pytest.mark.slow  # two learners of two processes each on four hosts, one host lost: ~1 min here
+def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare(
+    cluster, tmp_path):
+  """Two learners of two processes each, every process on a host of its own (a placement group
+  spread over distinct learner hosts). The host of learner 1's second process is removed: its
+  leader's next collective fails, the command ends the learner's other process, Ray places the
+  lost bundle on the spare host, and learner 1 rejoins as a whole, from learner 0's state, while
+  learner 0 trains on."""
+  for _ in range(5 - len(_hosts(LEARNER_HOST))):  # four processes and a spare
+    cluster.add_node(**_node_args(LEARNER_HOST))
+  cluster.wait_for_nodes()
+  run = train.build(_settings(cluster, tmp_path, num_steps=48, ray__processes_per_learner=2,
+                              learner_mesh_shapes=((2, 1),), checkpoint__every_steps=16))
+  first = [list(l.nodes) for l in run.learners]
+  assert len({n for nodes in first for n in nodes}) == 4  # one host per process
+  lost = {}
+
+  def remove():
+    lost["step0"] = run.learners[0].step
+    _remove_host(cluster, first[1][1])
+
+  remover = _when(run, lambda: run.learners[1].step >= 4, remove)
+  summary = train.execute(run, progress=False)
+  remover.join()
+  assert lost and lost["step0"] < 40
+  assert run.learners[0].nodes == first[0] and run.learners[0].incarnation == 0
+  assert first[1][1] not in run.learners[1].nodes and run.learners[1].incarnation == 1
+  assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [48, 48]
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
+  assert summary["rejoins"] == 1 and summary["double_merged_offers"] == 0
+  assert summary["unmerged_steps_at_end"] == [0, 0]
+  _accounting_closes(summary)
+  assert summary["learner_replicas_agree"] == [True, True]
