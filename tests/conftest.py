@@ -47,6 +47,43 @@ def _default_settings():
   return settings.validate(config)
 
 
+# experiments/tiny_cpu.py's fields that `tiny_settings` changes, by dotted name: also the
+# command-line flags (`tiny_flags`) of a test that runs the command in a process of its own.
+TINY_FIELDS = {
+    "num_steps": 24,
+    "log_every": 8,
+    "eval_every": 0,
+    "eval_batches": 2,
+    "devices.num_fake_cpu_devices": NUM_FAKE_DEVICES,
+    "model.embed_dim": 32,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.head_dim": 16,
+    "model.mlp_dim": 64,
+    "model.max_seq_len": 32,
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "sync.num_fragments": 4,
+    "sync.period": 4,
+    # The learning rates the tests' thresholds were measured with (tiny_cpu's until the quality
+    # study moved them): tuned for 800 steps of the default model, not 24 of this one.
+    "inner.learning_rate": 3e-3,
+    "outer.momentum": 0.6,
+    "sync.overlap": 1,
+    "inner.warmup_steps": 4,
+    "checkpoint.every_steps": 0,  # the tests about checkpoints turn them on
+    # The session's compilation cache (pytest_configure) serves every test; a run's own
+    # workdir/jax_cache would start cold in each test's workdir.
+    "compilation_cache_dir": "none",
+}
+
+
+def tiny_flags(**overrides) -> list[str]:
+  """TINY_FIELDS and `overrides` (dotted names with '__' for '.') as `--config.F=V` flags."""
+  fields = {**TINY_FIELDS, **{k.replace("__", "."): v for k, v in overrides.items()}}
+  return [f"--config.{k}={v}" for k, v in fields.items()]
+
+
 def tiny_settings(workdir, **overrides):
   """experiments/tiny_cpu.py shrunk to a model and run that train in seconds on 2 cores, validated.
 
@@ -58,31 +95,7 @@ def tiny_settings(workdir, **overrides):
 
   config = tiny_cpu.get_config()
   config.workdir = str(workdir)
-  config.num_steps = 24
-  config.log_every = 8
-  config.eval_every = 0
-  config.eval_batches = 2
-  config.devices.num_fake_cpu_devices = NUM_FAKE_DEVICES
-  config.model.embed_dim = 32
-  config.model.num_layers = 2
-  config.model.num_heads = 2
-  config.model.head_dim = 16
-  config.model.mlp_dim = 64
-  config.model.max_seq_len = 32
-  config.data.seq_len = 32
-  config.data.batch_size = 4
-  config.sync.num_fragments = 4
-  config.sync.period = 4
-  # The learning rates the tests' thresholds were measured with (tiny_cpu's until the quality study
-  # moved them): tuned for 800 steps of the default model, not 24 of this one.
-  config.inner.learning_rate = 3e-3
-  config.outer.momentum = 0.6
-  config.sync.overlap = 1
-  config.inner.warmup_steps = 4
-  config.checkpoint.every_steps = 0  # the tests about checkpoints turn them on
-  # The session's compilation cache (pytest_configure) serves every test; a run's own
-  # workdir/jax_cache would start cold in each test's workdir.
-  config.compilation_cache_dir = "none"
+  config.update_from_flattened_dict(TINY_FIELDS)
   config.update_from_flattened_dict({k.replace("__", "."): v for k, v in overrides.items()})
   return settings.validate(config)
 

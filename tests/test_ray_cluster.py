@@ -3,6 +3,12 @@ loopback only): the learners and the syncer placed on their hosts by custom reso
 (config.ray.learner_resource, config.ray.syncer_resource), and a whole host lost mid-run with
 every process on it (`Cluster.remove_node`), as a lost TPU host or GPU node."""
 
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,6 +16,7 @@ import pytest
 
 from decoupled_diloco.runtime import train
 from decoupled_diloco.runtime.transport import ray_runtime  # sets Ray's loopback variable first
+from tests.conftest import tiny_flags
 from tests.conftest import tiny_settings
 
 ray = pytest.importorskip("ray")
@@ -198,3 +205,55 @@ def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare
   assert summary["unmerged_steps_at_end"] == [0, 0]
   _accounting_closes(summary)
   assert summary["learner_replicas_agree"] == [True, True]
+
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _alive_actors() -> list[str]:
+  return [a["ActorClassName"] for a in ray._private.state.actors().values()  # pylint: disable=protected-access
+          if a["State"] != "DEAD"]
+
+
+@pytest.mark.slow  # two commands in processes of their own: ~50 s here
+def test_the_command_killed_mid_run_leaves_no_actor_and_the_same_command_resumes(
+    cluster, tmp_path):
+  """kill -9 of the command (the driver: controller, supervisor, checkpointer) once its job
+  checkpoint of step 16 is on disk: every actor it started ends with it (Ray ends the actors of a
+  dead owner), and the same command again resumes from the newest job checkpoint and finishes
+  with the token account closed."""
+  workdir = tmp_path / "run"
+  command = [sys.executable, "-m", "decoupled_diloco.main", "--config=experiments/tiny_cpu.py",
+             *tiny_flags(runtime="ray", num_learners=2, num_steps=48,
+                         learner_mesh_shapes="((1,1),)", learner_step_delays_s="(0.3,0.3)",
+                         max_restarts=1, checkpoint__every_steps=8, workdir=str(workdir),
+                         compilation_cache_dir=_CACHE["dir"], ray__address=cluster.address,
+                         ray__learner_resource=LEARNER_HOST, ray__syncer_resource=SYNCER_HOST)]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT),
+                                                                  os.environ.get("PYTHONPATH")])))
+  env.pop("XLA_FLAGS", None)  # the command asks for its fake devices itself, as a user's does
+  jobs = workdir / "checkpoints" / "job"
+  with open(tmp_path / "first.log", "w", encoding="utf-8") as log:
+    first = subprocess.Popen(command, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not (jobs / "16").is_dir() and first.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert first.poll() is None, (tmp_path / "first.log").read_text()  # still running
+    assert len(_alive_actors()) == 3  # two learners and the syncer
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+  deadline = time.monotonic() + 30
+  while _alive_actors() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert _alive_actors() == []  # nothing of the dead command's run is left on the cluster
+  newest = max(int(p.name) for p in jobs.iterdir() if p.name.isdigit())
+  second = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+  assert second.returncode == 0, second.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  [resume] = summary["resumes"]
+  assert resume["from"] == str(jobs / str(newest)) and resume["clock"] == newest >= 16
+  assert summary["learner_steps"] == [48, 48] and summary["learner_errors"] == [None, None]
+  assert summary["double_merged_offers"] == 0
+  _accounting_closes(summary)
+  assert _alive_actors() == []
