@@ -267,3 +267,27 @@ def test_hung_partitioned_crashed_and_nan_learners_replay_bit_for_bit(tmp_path, 
       tmp_path / "b", replay=str(tmp_path / "a"), **recorded)), progress=False)
   assert replayed["params_equal_to_recording"] and replayed["replay_exact"]
   assert replayed["learner_params_sha256"] == summary["learner_params_sha256"]
+
+
+def test_reading_a_tape_marks_the_merges_a_restarted_syncer_lost(tmp_path):
+  """A syncer_restart record names the merges its predecessor took down with it: the reader marks
+  the newest earlier merge of each (fragment, version) lost, not the one the restarted syncer
+  makes again, nor an older one of the same version before an earlier restart."""
+  records = [{"kind": "config"},
+             {"kind": "merge", "fragment": 1, "version": 1},
+             {"kind": "syncer_restart", "lost_merge_versions": [[1, 1]]},
+             {"kind": "merge", "fragment": 0, "version": 1},
+             {"kind": "merge", "fragment": 1, "version": 1},  # made again after the restart
+             {"kind": "merge", "fragment": 0, "version": 2},
+             # (1, 1) again: the merge made after the first restart, lost by the second one.
+             {"kind": "syncer_restart", "lost_merge_versions": [[0, 2], [1, 1]]},
+             {"kind": "merge", "fragment": 0, "version": 2},
+             {"kind": "merge", "fragment": 0, "version": None, "final": True}]  # rejected round
+  path = tmp_path / event_tape.TAPE_FILE
+  path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+  read = event_tape.read(str(path))
+  assert [r.get("lost", False) for r in read] == [
+      False, True, False, False, True, True, False, False, False]
+  path.write_text(path.read_text() + '{"kind": "mer', encoding="utf-8")
+  with pytest.raises(json.JSONDecodeError, match=r"line 10 of .* is not JSON"):
+    event_tape.read(str(path))

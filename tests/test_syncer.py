@@ -674,6 +674,7 @@ def test_a_restarted_syncer_marks_the_merges_its_predecessor_took_down_with_it_l
            "learner_steps": [2], "tokens": [100]} for f in (q, p)]
   info = syncer.recover(None, {0: held_by_0}, stats=syncer.stats, tape=tape)
   assert info["lost_merges"] == 1 and info["versions"][p] == 0 and info["versions"][q] == 1
+  assert info["lost_merge_versions"] == [[p, 1]]  # the tape file's reader marks it (event_tape.read)
   assert [r.get("lost", False) for r in syncer.tape] == [False, True]
   assert tape_lib.installed(syncer.tape) == [tape[0]]
 

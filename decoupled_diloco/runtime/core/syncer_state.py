@@ -108,7 +108,10 @@ class SyncerCheckpoints:
     self.model.require_keyframes()
     self._lead = None  # the clock goes on from the learners' next reports, without a burst
     return {"checkpoint_versions": restored_versions, "versions": list(self.model.versions),
-            "fragments_from_learners": from_learners, "lost_merges": len(lost)}
+            "fragments_from_learners": from_learners, "lost_merges": len(lost),
+            # Which: the event tape's reader marks those merge records lost (event_tape.read).
+            "lost_merge_versions": [[int(self.tape[i]["fragment"]), int(self.tape[i]["version"])]
+                                    for i in lost]}
   def state(self, include_tape: bool = False) -> dict[str, Any]:
     """{"arrays", "json"}: everything a restarted syncer needs, read on the syncer's thread (or
     before it starts). `include_tape` adds the merge tape (a job checkpoint's history)."""

@@ -142,29 +142,55 @@ def counterfactual(recorded: dict[str, str], now: dict[str, str]) -> list[dict[s
           for name in changed_fields(recorded, now)["counterfactual"]]
 
 
-def load(workdir: str) -> Tape:
-  """Reads `workdir/tape.jsonl`; a tape this replay cannot follow fails, saying why."""
-  path = os.path.join(workdir, TAPE_FILE)
-  configs, merges, events = [], [], []
-  learner_events: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+def read(path: str) -> list[dict[str, Any]]:
+  """Every record of a tape file in order, each merge a restarted syncer lost marked `"lost": True`.
+
+  A `syncer_restart` record names the merges its predecessor put on the tape and took down with it
+  (`lost_merge_versions`: [fragment, version] pairs; `algorithm/tape.lost_merges`): of each pair,
+  the newest merge record before the restart is the lost one (the restarted syncer makes that
+  fragment's version again). Raises json.JSONDecodeError naming the line of a cut record."""
+  records = []
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        records.append(json.loads(line))
       except json.JSONDecodeError as err:
-        raise TapeError(f"config.replay={workdir!r}: line {number} of {path} is not JSON "
-                         f"({err}); a run killed while writing it leaves a cut last line") from err
-      kind = record["kind"]
-      if kind == "config":
-        configs.append(record)
-      elif kind in _LEARNER_KINDS:
-        learner_events[record["learner"]].append(record)
-      elif kind == "merge":
-        merges.append(record)
-      else:
-        events.append(record)
+        raise json.JSONDecodeError(f"line {number} of {path} is not JSON ({err.msg})", err.doc,
+                                   err.pos) from err
+  newest: dict[tuple[int, int], dict[str, Any]] = {}  # (fragment, version) -> its last merge
+  for record in records:
+    if record["kind"] == "merge" and record.get("version") is not None:
+      newest[(record["fragment"], record["version"])] = record
+    elif record["kind"] == "syncer_restart":
+      for fragment, version in record.get("lost_merge_versions", ()):
+        lost = newest.pop((fragment, version), None)
+        if lost is not None:
+          lost["lost"] = True
+  return records
+
+
+def load(workdir: str) -> Tape:
+  """Reads `workdir/tape.jsonl`; a tape this replay cannot follow fails, saying why."""
+  path = os.path.join(workdir, TAPE_FILE)
+  configs, merges, events = [], [], []
+  learner_events: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+  try:
+    records = read(path)
+  except json.JSONDecodeError as err:
+    raise TapeError(f"config.replay={workdir!r}: {err}; a run killed while writing it leaves a "
+                     "cut last line") from err
+  for record in records:
+    kind = record["kind"]
+    if kind == "config":
+      configs.append(record)
+    elif kind in _LEARNER_KINDS:
+      learner_events[record["learner"]].append(record)
+    elif kind == "merge":
+      merges.append(record)
+    else:
+      events.append(record)
   if not configs or configs[0].get("format") != FORMAT:
     raise TapeError(f"config.replay={workdir!r}: {path} does not start with a config record of "
                      f"tape format {FORMAT}")
