@@ -188,3 +188,34 @@ def test_a_process_gives_its_pieces_of_an_array_and_the_pieces_make_the_whole(bu
   np.testing.assert_array_equal(agreement_lib.assemble([{"a": h} for h in halves])["a"], value)
   with pytest.raises(ValueError, match="cover 12 of 24"):
     agreement_lib.assemble([{"a": halves[0]}])
+
+
+def test_a_process_keeps_a_taken_publication_until_it_has_given_its_pieces(built):
+  """The leader answers a pull from its latest publication at once; the syncer asks the other
+  processes for their pieces of it only once that answer has landed, which on a loaded host can be
+  several step boundaries later, after the leader has published newer ones. The others keep a
+  publication the leader took from until they have given their pieces of it (before, the first
+  boundary after a newer publication dropped it, and the pull came back unreachable)."""
+  batches = [next(built.learners[0]._batches) for _ in range(24)]
+  leader, follower = _pair(built, batches, agreed=True)
+  for learner in (leader, follower):
+    learner.start()
+  while leader.step < 4:
+    time.sleep(0.005)
+  offer = leader.offer(P, 0)
+  boundary = follower._agreement.boundaries  # pylint: disable=protected-access
+  assert wait_until(lambda: follower._agreement.boundaries >= boundary + 4)  # pylint: disable=protected-access
+  assert follower.step > offer.step + 2  # newer publications were made since
+  piece = follower.offer_of(P, offer.step, offer.publication, 5.0)
+  # Once given, it is not kept for that fragment any more: the next boundaries drop it.
+  assert wait_until(lambda: follower._agreement.boundaries >= boundary + 7)  # pylint: disable=protected-access
+  again = follower.offer_of(P, offer.step, offer.publication, 0.5)
+  leader.stop()
+  leader.release()
+  for learner in (leader, follower):
+    learner.join(60)
+  assert leader.error is None and follower.error is None
+  assert isinstance(piece, messages.Offer) and piece.step == offer.step
+  for name in offer.values:
+    np.testing.assert_array_equal(np.asarray(offer.values[name]), np.asarray(piece.values[name]))
+  assert again is None

@@ -34,6 +34,11 @@ _MAX_AGREED = 32  # broadcasts one boundary of a multi-process learner applies a
 # which leaves the few made since: at most a boundary's worth.
 _RECENT_PUBLICATIONS = 16
 _ARRIVAL_TIMEOUT_S = 120.0  # how long a process waits for a broadcast its leader applies
+# How long a process other than the leader keeps a publication the leader took a fragment from,
+# for the syncer's call for its pieces of it (which waits that long for them itself:
+# ray_plumbing.CALL_TIMEOUT_S); given pieces are not kept.
+_PIECE_WAIT_S = 120.0
+_SERVED = 256  # pieces given before their take was agreed, remembered at most
 
 
 class ProcessGroup(Protocol):
@@ -127,6 +132,10 @@ class Agreement:
     self.takes: list[tuple[int, int, int]] = []
     self._recent: dict[tuple[int, int], messages.Publication] = {}
     self._captures: dict[int, messages.Publication] = {}
+    # Pieces (p, step, publication) the syncer has yet to ask this process for, of takes agreed
+    # (-> until when they are kept), and those it asked for before their take was agreed.
+    self._owed: dict[tuple[int, int, int], float] = {}
+    self._served: list[tuple[int, int, int]] = []
     self.boundaries = 0  # step boundaries this learner's processes have agreed on so far
     self._agreed = threading.Condition()
     self.stop = False
@@ -147,6 +156,9 @@ class Agreement:
           return None
         self._agreed.wait(min(left, 0.5))
       published = self._recent[key]
+      piece = (int(p), *key)
+      if self._owed.pop(piece, None) is None:
+        self._served = [*self._served, piece][-_SERVED:]
     return dataclasses.replace(self._learner._offer_from(published, p), publication=key[1])  # pylint: disable=protected-access
 
   def capture(self, timeout_s: float, *, after: int = -1, boundary: int | None = None
@@ -214,7 +226,18 @@ class Agreement:
                              "holds")
         learner.take_from(published, p, publication)
       with self._agreed:
-        for key in [k for k in self._recent if k < tuple(agreed["keep_from"])]:
+        now = time.monotonic()
+        for p, step, publication in agreed["take"]:
+          piece = (p, step, publication)
+          if piece in self._served:
+            self._served.remove(piece)
+          else:
+            self._owed[piece] = now + _PIECE_WAIT_S
+        self._owed = {k: until for k, until in self._owed.items() if until > now}
+        # Older than the leader's latest: later takes come from it or newer ones. Kept still:
+        # those whose pieces the syncer has yet to ask for.
+        owed = {(step, publication) for _, step, publication in self._owed}
+        for key in [k for k in self._recent if k < tuple(agreed["keep_from"]) and k not in owed]:
           del self._recent[key]
     for key in agreed["apply"]:
       learner._apply(self._arrived_broadcast(tuple(key)))
