@@ -17,11 +17,15 @@ each `KIND@key=value,key=value`:
                                              joins T s into training
   syncer_crash@second=T,down_s=D             the syncer's state is lost; restarted D s later
   corrupt_checkpoint@second=T                the newest checkpoint on disk is damaged
+  node_loss@learner=M,step=S                 the Ray node (host) of learner M is lost with every
+                                             process on it; Ray restarts the learner on a spare
+  node_loss@syncer,second=T                  the syncer's host is lost; restored on a spare
 
 A learner event fires before a given step of that learner (`step=`) or at a time into training
 (`second=`): exactly one of the two. Random mode adds crashes at exponential intervals of mean
 `mtbf_s` per learner, each repaired after a Weibull time of mean `repair_s` (the simulator's model,
-`sim/cluster.py`); the two sources combine.
+`sim/cluster.py`); the two sources combine. With `node_loss_fraction` > 0 that share of the random
+faults are node losses instead (a seeded draw of its own: the fault times stay the same).
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ KINDS = {
     "join": _Kind("learner", (), step_trigger=False),
     "syncer_crash": _Kind("syncer", ("down_s",)),
     "corrupt_checkpoint": _Kind("checkpoint", ()),
+    # A learner's host (learner=M) or, written node_loss@syncer,second=T, the syncer's.
+    "node_loss": _Kind("learner", ()),
 }
+NODE_LOSS = "node_loss"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,23 +104,30 @@ def _parse_event(index: int, event: str, num_learners: int) -> Fault:
   if not at or not body.strip():
     raise _error(index, event, f"needs keys after '@', e.g. {kind_name}@key=value,key=value")
   kind = KINDS[kind_name]
+  items = [item.strip() for item in body.split(",")]
+  if kind_name == NODE_LOSS and "syncer" in items:  # the syncer's host: at a time only
+    kind = _Kind("syncer", ())
+    items.remove("syncer")
+    if not items:
+      raise _error(index, event, "node_loss@syncer needs second= (when it happens)")
   allowed = set(kind.durations) | {"second"}
   if kind.target == "learner":
     allowed |= {"learner"} | ({"step"} if kind.step_trigger else set())
   values: dict[str, str] = {}
-  for item in body.split(","):
+  for item in items:
     key, eq, text = (part.strip() for part in item.partition("="))
     if not eq or not key or not text:
       raise _error(index, event, f"{item.strip()!r} is not key=value")
     if key not in allowed:
+      also = " (or node_loss@syncer,second=T)" if kind_name == NODE_LOSS else ""
       raise _error(index, event, f"{kind_name} takes no key {key!r}; it takes "
-                                 f"{', '.join(sorted(allowed))}")
+                                 f"{', '.join(sorted(allowed))}{also}")
     if key in values:
       raise _error(index, event, f"{key} is given twice")
     values[key] = text
   missing = [k for k in kind.durations if k not in values]
   if kind.target == "learner" and "learner" not in values:
-    missing.insert(0, "learner")
+    missing.insert(0, "learner" if kind_name != NODE_LOSS else "learner= (or syncer)")
   if missing:
     raise _error(index, event, f"{kind_name} needs {', '.join(missing)}")
   fields: dict = {"kind": kind_name, "source": event}
@@ -191,6 +205,7 @@ class RandomCrashes:
   repair_s: float
   repair_shape: float
   seed: int
+  node_loss_fraction: float = 0.0  # the share of them that are node losses (runtime=ray)
 
   def __post_init__(self):
     for name in ("mtbf_s", "repair_s"):
@@ -198,6 +213,11 @@ class RandomCrashes:
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"config.chaos.{name}={value!r} must be a number >= 0 "
                          "(mtbf_s=0: no random crashes)")
+    if (isinstance(self.node_loss_fraction, bool) or
+        not isinstance(self.node_loss_fraction, (int, float)) or
+        not 0 <= self.node_loss_fraction <= 1):
+      raise ValueError(f"config.chaos.node_loss_fraction={self.node_loss_fraction!r} must be a "
+                       "number in [0, 1] (the share of random faults that are node losses)")
     if not self.repair_shape > 0:
       raise ValueError(f"config.chaos.repair_shape={self.repair_shape!r} must be > 0 "
                        "(1 = exponential repairs; larger = more regular)")
@@ -211,10 +231,15 @@ class RandomCrashes:
     if not self.enabled:
       return
     rng = np.random.default_rng([self.seed, learner])
+    kinds = np.random.default_rng([self.seed, learner, 1])  # which are node losses
     unit_mean = 1.0 / math.gamma(1.0 + 1.0 / self.repair_shape)
     t = 0.0
     while True:
       t += float(rng.exponential(self.mtbf_s))
       down = self.repair_s * unit_mean * float(rng.weibull(self.repair_shape))
-      yield Fault("crash", learner=learner, second=t, down_s=down, source="random")
+      if self.node_loss_fraction and kinds.random() < self.node_loss_fraction:
+        # Down until Ray has restarted it on a spare host: the drawn time only spaces the next.
+        yield Fault(NODE_LOSS, learner=learner, second=t, source="random")
+      else:
+        yield Fault("crash", learner=learner, second=t, down_s=down, source="random")
       t += down

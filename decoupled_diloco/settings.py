@@ -50,7 +50,7 @@ DONATE_STATE = ("auto", "always", "never")
 RUNTIMES = ("threads", "ray")
 # What config.runtime=ray fires: a crash is a SIGKILL of the learner's process (random crashes
 # too); the syncer and the checkpoints are in the command's process there, as under threads.
-RAY_FAULTS = ("crash", "syncer_crash", "corrupt_checkpoint")
+RAY_FAULTS = ("crash", "syncer_crash", "corrupt_checkpoint", "node_loss")
 ANCHORS = ("learner", "syncer")
 BROADCAST_FORMATS = ("fp32", "bf16")
 # config.compression.broadcast_delta: "none" (full broadcasts) or a lossy outer-gradient format.
@@ -186,6 +186,7 @@ class ChaosSettings:
   repair_s: float  # their mean repair time
   repair_shape: float  # Weibull shape of the repair times
   seed: int
+  node_loss_fraction: float  # the share of random faults that are node losses (runtime=ray)
   faults: tuple[chaos.Fault, ...] = dataclasses.field(metadata=_DERIVED)  # the schedule, parsed
   random_crashes: chaos.RandomCrashes = dataclasses.field(metadata=_DERIVED)
 
@@ -588,7 +589,8 @@ def _resolve_chaos(config, mode: str, num_learners: int, num_steps: int) -> Chao
       mtbf_s=_check_float(config, "chaos.mtbf_s", 0.0),
       repair_s=_check_float(config, "chaos.repair_s", 0.0),
       repair_shape=_check_float(config, "chaos.repair_shape", 0.0, low_open=True),
-      seed=_check_int(config, "chaos.seed", 0))
+      seed=_check_int(config, "chaos.seed", 0),
+      node_loss_fraction=_check_float(config, "chaos.node_loss_fraction", 0.0))
   configured_mtbf_s = random_crashes.mtbf_s
   syncer_crashes = [f for f in faults if f.kind == "syncer_crash"]
   if syncer_crashes and mode != "decoupled":
@@ -609,7 +611,8 @@ def _resolve_chaos(config, mode: str, num_learners: int, num_steps: int) -> Chao
     random_crashes = dataclasses.replace(random_crashes,
                                          mtbf_s=random_crashes.mtbf_s / num_learners)
   return ChaosSettings(schedule, configured_mtbf_s, random_crashes.repair_s,
-                       random_crashes.repair_shape, random_crashes.seed, faults, random_crashes)
+                       random_crashes.repair_shape, random_crashes.seed,
+                       random_crashes.node_loss_fraction, faults, random_crashes)
 
 
 RESTORE_CHOICES = ("auto", "latest", "none")
@@ -741,6 +744,12 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
           "'auto' or a cluster address")
   resources = {field: _ray_resource(config, field, runtime)
                for field in ("ray.learner_resource", "ray.syncer_resource")}
+  node_losses = [f for f in chaos_settings.faults if f.kind == chaos.NODE_LOSS]
+  if (node_losses or chaos_settings.node_loss_fraction) and (runtime != "ray" or not address):
+    field, value = (("chaos.schedule", chaos_settings.schedule) if node_losses else
+                    ("chaos.node_loss_fraction", chaos_settings.node_loss_fraction))
+    _fail(field, value, "node losses need config.runtime='ray' on a cluster of several Ray nodes "
+          "(config.ray.address='auto' or an address): a local Ray is one node, the command's own")
   if runtime == "ray":
     # What the Ray runtime runs so far (docs/ray.md): the rest fails here, named.
     if mode != "decoupled":

@@ -51,6 +51,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.chaos.repair_s = 5.0  # mean repair time of a random crash, seconds
   config.chaos.repair_shape = 0.85  # Weibull shape of the repair times
   config.chaos.seed = 0  # of the random crashes and repairs
+  # runtime=ray on a cluster: the share of the random faults that are node losses (the learner's
+  # whole host, every process on it) instead of process crashes; 0 = crashes only.
+  config.chaos.node_loss_fraction = 0.0
 
   # Whole-job checkpoints (orbax, written asynchronously while the learners train): each learner's
   # train state, data position, counters and anchors, and the syncer's state, one consistent cut.

@@ -24,6 +24,13 @@ def test_every_kind_parses_with_its_keys():
   assert crash.source == "crash@learner=1,step=100,down_s=5"
 
 
+def test_a_node_loss_names_a_learner_or_the_syncer():
+  learner, syncer = chaos.parse_schedule("node_loss@learner=2,step=9; node_loss@syncer,second=4",
+                                         num_learners=4)
+  assert (learner.kind, learner.learner, learner.step, learner.second) == ("node_loss", 2, 9, None)
+  assert (syncer.kind, syncer.learner, syncer.step, syncer.second) == ("node_loss", None, None, 4.0)
+
+
 def test_an_empty_schedule_has_no_faults():
   assert chaos.parse_schedule("", 2) == ()
   assert chaos.parse_schedule("  ", 2) == ()
@@ -50,6 +57,11 @@ def test_an_empty_schedule_has_no_faults():
     ("syncer_crash@learner=0,second=1,down_s=1", "syncer_crash takes no key 'learner'"),
     ("syncer_crash@down_s=1", "syncer_crash needs second="),
     ("corrupt_checkpoint@second=inf", "second=inf must be >= 0"),
+    ("node_loss@step=3", "node_loss needs learner= (or syncer)"),
+    ("node_loss@syncer", "node_loss@syncer needs second="),
+    ("node_loss@syncer,step=3", "node_loss takes no key 'step'; it takes second (or "
+                                "node_loss@syncer,second=T)"),
+    ("node_loss@learner=0,step=1,down_s=2", "node_loss takes no key 'down_s'"),
 ])
 def test_a_bad_event_is_named_with_what_is_wrong(text, message):
   with pytest.raises(ValueError) as err:
@@ -106,6 +118,19 @@ def test_random_crashes_have_the_configured_means_and_never_overlap():
   assert all(f.kind == "crash" and f.source == "random" for f in faults)
 
 
+def test_a_share_of_the_random_faults_are_node_losses_at_the_same_times():
+  def draws(fraction):
+    faults = chaos.RandomCrashes(10.0, 2.0, 0.85, seed=5, node_loss_fraction=fraction).crashes(1)
+    return [next(faults) for _ in range(2000)]
+
+  crashes, half, all_lost = draws(0.0), draws(0.5), draws(1.0)
+  assert [f.second for f in crashes] == [f.second for f in half] == [f.second for f in all_lost]
+  assert {f.kind for f in crashes} == {"crash"} and {f.kind for f in all_lost} == {"node_loss"}
+  share = sum(f.kind == "node_loss" for f in half) / len(half)
+  assert 0.45 < share < 0.55
+  assert all(f.down_s == 0.0 for f in half if f.kind == "node_loss")
+
+
 def test_random_mode_is_off_at_mtbf_zero():
   assert list(chaos.RandomCrashes(0.0, 2.0, 0.85, seed=0).crashes(0)) == []
 
@@ -114,6 +139,7 @@ def test_random_mode_is_off_at_mtbf_zero():
     ({"mtbf_s": -1.0}, "config.chaos.mtbf_s"),
     ({"repair_s": "x"}, "config.chaos.repair_s"),
     ({"repair_shape": 0.0}, "config.chaos.repair_shape"),
+    ({"node_loss_fraction": 1.5}, "config.chaos.node_loss_fraction"),
 ])
 def test_bad_random_settings_name_the_field(kwargs, field):
   args = {"mtbf_s": 10.0, "repair_s": 1.0, "repair_shape": 1.0, "seed": 0, **kwargs}

@@ -79,6 +79,9 @@ def hosts_back(cluster):
   """After each test, the hosts it lost are added back (from the main thread: Ray's node start
   sets a signal handler), so that every test starts from three learner and two syncer hosts."""
   yield
+  alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+  for node in [n for n in cluster.worker_nodes if n.node_id not in alive]:
+    cluster.remove_node(node, allow_graceful=False)  # one a node_loss fault took down: forgotten
   for resource, count in ((LEARNER_HOST, 3), (SYNCER_HOST, 2)):
     for _ in range(count - len(_hosts(resource))):
       cluster.add_node(**_node_args(resource))
@@ -257,3 +260,29 @@ def test_the_command_killed_mid_run_leaves_no_actor_and_the_same_command_resumes
   assert summary["double_merged_offers"] == 0
   _accounting_closes(summary)
   assert _alive_actors() == []
+
+
+@pytest.mark.slow  # the removal test above loses a learner's host in the default suite
+def test_node_losses_from_the_chaos_schedule_take_a_learner_s_and_the_syncer_s_hosts_down(
+    cluster, tmp_path):
+  """config.chaos's node_loss: the command takes learner 1's Ray node down at its step 4 (its
+  raylet killed from a task pinned there: the object store and every process on the node go with
+  it), and the syncer's at 6 s. Both come back on the spare hosts, as after a host lost for real."""
+  run = train.build(_settings(cluster, tmp_path, num_steps=48, checkpoint__every_steps=8,
+                              chaos__schedule="node_loss@learner=1,step=4;"
+                                              "node_loss@syncer,second=6"))
+  first_learner, first_syncer = run.learners[1].nodes[0], run.syncer.node
+  summary = train.execute(run, progress=False)
+  alive = _hosts(LEARNER_HOST) | _hosts(SYNCER_HOST)
+  assert first_learner not in alive and first_syncer not in alive  # both nodes are dead
+  assert run.learners[1].nodes[0] in _hosts(LEARNER_HOST) and run.learners[1].incarnation == 1
+  assert run.keeper.syncer.node in _hosts(SYNCER_HOST)
+  by_target = {f["learner"]: f for f in summary["faults"]}
+  assert by_target[1]["fault"] == by_target[None]["fault"] == "node_loss"
+  assert by_target[1]["step"] == 4 and by_target[None]["at_s"] >= 6
+  assert summary["rejoins"] == 1 and summary["syncer_restarts"] == 1
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
+  assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [48, 48]
+  assert summary["double_merged_offers"] == 0
+  _accounting_closes(summary)

@@ -293,6 +293,22 @@ def test_the_ray_placement_resources_are_validated():
       settings.validate(_config(**{"runtime": "ray", "ray.syncer_resource": bad}))
 
 
+def test_node_losses_need_ray_on_a_cluster():
+  cluster = {"runtime": "ray", "ray.address": "auto"}
+  run = settings.validate(_config(**cluster, **{"chaos.schedule": "node_loss@learner=1,step=3",
+                                                "chaos.node_loss_fraction": 0.25,
+                                                "chaos.mtbf_s": 30.0}))
+  assert [f.kind for f in run.chaos.faults] == ["node_loss"]
+  assert run.chaos.random_crashes.node_loss_fraction == 0.25
+  for fields in ({"runtime": "ray"}, {}):
+    with pytest.raises(ValueError, match=r"config\.chaos\.schedule='node_loss@syncer,second=2' is "
+                       r"invalid: node losses need config\.runtime='ray' on a cluster"):
+      settings.validate(_config(**fields, **{"chaos.schedule": "node_loss@syncer,second=2"}))
+  with pytest.raises(ValueError, match=r"config\.chaos\.node_loss_fraction=0\.5 is invalid: node "
+                     "losses need"):
+    settings.validate(_config(**{"chaos.node_loss_fraction": 0.5, "chaos.mtbf_s": 30.0}))
+
+
 def test_processes_per_learner_is_validated_with_the_runtime_and_the_meshes():
   assert settings.validate(_config()).ray.processes_per_learner == 1
   run = settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 2}))

@@ -214,7 +214,7 @@ def _fault_summary(run: run_lib.Run, tape, incarnations, steps_made,
       [dict(f) for f in run.keeper.fault_records] if run.keeper is not None else []) + (
       [dict(f) for f in run.corrupter.records] if run.corrupter is not None else [])
   for fault in faults:
-    if fault["fault"] == "crash":
+    if fault["fault"] in ("crash", "node_loss") and fault["learner"] is not None:
       healed = [r for r in failures if r["learner"] == fault["learner"]
                 and r["step"] == fault["step"]]
       fault.update({k: v for k, v in (healed[0] if healed else {}).items()

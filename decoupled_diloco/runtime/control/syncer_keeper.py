@@ -94,7 +94,8 @@ class SyncerKeeper:
     (a resumed run); the faults in `fired` have already happened."""
     self._started_at = started_at - elapsed_before_s
     self._last_save = started_at
-    done = {r["source"] for r in fired if r["fault"] == "syncer_crash"}
+    done = {r["source"] for r in fired if r["fault"] == "syncer_crash" or (
+        r["fault"] == "node_loss" and r["learner"] is None)}
     self._faults = [f for f in self._faults if f.source not in done
                     and f.second >= elapsed_before_s]
 
@@ -108,7 +109,7 @@ class SyncerKeeper:
       self._save_if_due(now)
       if self._faults and self._elapsed(now) >= self._faults[0].second:
         fault = self._faults.pop(0)
-        self._crash(fault.source, fault.down_s, now)
+        self._crash(fault.source, fault.down_s, now, kind=fault.kind)
       elif self.syncer.process_died:
         # runtime=ray: the syncer's process died unplanned (a kill -9 by hand, the OOM killer).
         # Ray has restarted it already: restore it now, as after an injected crash.
@@ -130,13 +131,16 @@ class SyncerKeeper:
       self._last_save = now
       self._pending_state = self.syncer.request_state()
 
-  def _crash(self, source: str, down_s: float, now: float, planned: bool = True) -> None:
+  def _crash(self, source: str, down_s: float, now: float, planned: bool = True,
+             kind: str = "syncer_crash") -> None:
     crashed = self.syncer
     self._port.connect(None)
-    if planned:  # (an unplanned crash is dead already)
+    if kind == "node_loss":  # its host lost (runtime=ray on a cluster); Ray restarts it elsewhere
+      crashed.lose_host()
+    elif planned:  # (an unplanned crash is dead already)
       crashed.kill()  # as a real crash: SIGKILL of a syncer process (runtime=ray), or its thread
     self._pending_state = None
-    record = {"fault": "syncer_crash", "learner": None, "step": None,
+    record = {"fault": kind, "learner": None, "step": None,
               "at_s": self._elapsed(now), "source": source, "down_s": round(down_s, 3)}
     self.fault_records.append(record)
     if self._metrics is not None:

@@ -37,6 +37,11 @@ class LearnerFailure(RuntimeError):
   """A learner's devices failed: its device state is lost."""
 
 
+class NodeLoss(LearnerFailure):
+  """A learner's host is lost with every process on it (runtime=ray on a cluster: the transport
+  takes the Ray node down, `ray_plumbing.lose_node`)."""
+
+
 class FaultInjector:
   """Per learner, the faults still to fire; called on each learner's thread before every step."""
 
@@ -55,7 +60,8 @@ class FaultInjector:
                      for m in range(num_learners)}
     self._joins = {f.learner: f for f in faults if f.kind == "join"}
     # Fired by the controller (`syncer_keeper.SyncerKeeper`), not on a learner's thread.
-    self.syncer_faults = [f for f in faults if f.kind == "syncer_crash"]
+    self.syncer_faults = [f for f in faults if f.kind == "syncer_crash" or (
+        f.kind == chaos.NODE_LOSS and f.learner is None)]
     self.checkpoint_faults = [f for f in faults if f.kind == "corrupt_checkpoint"]
     self._random = {m: random_crashes.crashes(m) for m in range(num_learners)
                     } if random_crashes is not None and random_crashes.enabled else {}
@@ -168,7 +174,7 @@ class FaultInjector:
         due.append(upcoming)
         self._next_random[learner] = next(self._random[learner])
     # A crash ends the step path: the faults fired before it in the same boundary go first.
-    return sorted(due, key=lambda f: f.kind == "crash")
+    return sorted(due, key=lambda f: f.kind in ("crash", chaos.NODE_LOSS))
 
   def _record(self, fault: chaos.Fault, learner: int, step: int, elapsed: float,
               **extra) -> dict[str, Any]:
@@ -188,6 +194,9 @@ class FaultInjector:
         self._repaired_at[learner] = self._clock() + fault.down_s
       self._record(fault, learner, step, elapsed, down_s=round(fault.down_s, 3))
       raise LearnerFailure(f"learner {learner}: its devices failed before step {step}")
+    if fault.kind == chaos.NODE_LOSS:
+      self._record(fault, learner, step, elapsed)
+      raise NodeLoss(f"learner {learner}: its host was lost before step {step}")
     if fault.kind == "hang":
       self._record(fault, learner, step, elapsed, seconds=fault.seconds)
       self._stop.wait(fault.seconds)

@@ -301,6 +301,11 @@ class RemoteLearner:
       except ProcessLookupError:
         pass  # gone already
 
+  def lose_host(self) -> None:
+    """Its leader's host lost with every process on it (config.chaos's node_loss): the Ray node
+    is taken down (`ray_plumbing.lose_node`); a process kill where that node is the command's."""
+    plumbing.lose_node(self.nodes[0], fallback=self.kill)
+
   def check_replicas(self) -> bool | None:
     """A multi-process learner after its last step: whether every copy of every piece of its
     parameters, on every device of every process, is the same (processes that applied a merge at
@@ -397,6 +402,9 @@ class RemoteLearner:
     if self._step_hook is not None and self.step != seen and self.pid is not None:
       try:
         self._step_hook(self.index, self.step)
+      except injector_lib.NodeLoss as failure:
+        logging.warning("%s: its Ray node is taken down", failure)
+        self.lose_host()
       except injector_lib.LearnerFailure as failure:
         logging.warning("%s: SIGKILL to its process, pid %d", failure, self.pid)
         self.kill()

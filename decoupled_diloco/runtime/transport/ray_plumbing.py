@@ -17,10 +17,13 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from absl import logging
 
 LEARNER_POLL_S = 0.2  # the longest a watcher's call waits in a learner's process for news
 SYNCER_POLL_S = 0.1  # the longest a watcher's call waits in the syncer's process for news
@@ -117,18 +120,23 @@ def watch(stopped: threading.Event, poll: Callable[[], Any], take: Callable[[Any
       return
 
 
-def wait_until_up(actor, name: str, timeout_s: float = 5 * CALL_TIMEOUT_S) -> int:
+def wait_until_up(actor, name: str, timeout_s: float = 5 * CALL_TIMEOUT_S,
+                  gone_pid: int | None = None) -> int:
   """Waits while Ray restarts an actor's process (its constructor builds afresh); returns its
-  pid."""
+  pid. `gone_pid`: the process that died, which may still answer for a moment (a lost node's
+  processes outlive its raylet by a second or two): its answers do not count."""
   import ray  # pylint: disable=g-import-not-at-top
   deadline = time.monotonic() + timeout_s
   while True:
     try:
-      return ray.get(actor.pid.remote(), timeout=timeout_s)
+      pid = ray.get(actor.pid.remote(), timeout=timeout_s)
+      if pid != gone_pid:
+        return pid
     except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"{name}: its process did not come back within {timeout_s} s")
-      time.sleep(0.2)
+      pass
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"{name}: its process did not come back within {timeout_s} s")
+    time.sleep(0.2)
 
 
 def on_node(node_id: str) -> str:
@@ -137,3 +145,27 @@ def on_node(node_id: str) -> str:
   import ray  # pylint: disable=g-import-not-at-top
   alive = sum(1 for n in ray.nodes() if n["Alive"])
   return f" on node {node_id[:12]}" if alive > 1 else ""
+
+
+def _take_down_this_node() -> int:
+  """Run on the node to lose: SIGKILL to this worker's parent, the node's raylet. Its object store
+  goes with it, every worker on the node exits once its raylet is gone, and the cluster declares
+  the node dead at its next missed health checks, as when a host is lost."""
+  import signal  # pylint: disable=g-import-not-at-top
+  raylet = os.getppid()
+  os.kill(raylet, signal.SIGKILL)
+  return raylet
+
+
+def lose_node(node_id: str, fallback: Callable[[], None]) -> None:
+  """Takes the Ray node `node_id` down (fire and forget), or calls `fallback` (a process kill)
+  where that node is the command's own: its loss would end the command's Ray."""
+  import ray  # pylint: disable=g-import-not-at-top
+  from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # pylint: disable=g-import-not-at-top
+  if node_id == ray.get_runtime_context().get_node_id():
+    logging.warning("node %s is the command's own: a process kill instead of its loss",
+                    node_id[:12])
+    fallback()
+    return
+  ray.remote(num_cpus=0, max_retries=0)(_take_down_this_node).options(
+      scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()

@@ -345,6 +345,11 @@ class RemoteSyncer:
     self._stopped.set()
     os.kill(self.pid, signal.SIGKILL)
 
+  def lose_host(self) -> None:
+    """Its host lost with every process on it (config.chaos's node_loss@syncer)."""
+    self._stopped.set()
+    plumbing.lose_node(self.node, fallback=lambda: os.kill(self.pid, signal.SIGKILL))
+
   def end(self) -> None:
     import ray  # pylint: disable=g-import-not-at-top
     self._stopped.set()
@@ -406,7 +411,7 @@ def restarted(crashed: RemoteSyncer, timeout_s: float = 5 * plumbing.CALL_TIMEOU
               ) -> RemoteSyncer:
   """The syncer after Ray restarted its process (a fresh syncer at the initial Theta); the
   keeper restores it."""
-  plumbing.wait_until_up(crashed._actor, "the syncer", timeout_s)  # pylint: disable=protected-access
+  plumbing.wait_until_up(crashed._actor, "the syncer", timeout_s, gone_pid=crashed.pid)  # pylint: disable=protected-access
   made = RemoteSyncer(crashed._actor, crashed._secret, crashed._metrics,  # pylint: disable=protected-access
                       stats=crashed.stats, tape=crashed.tape)
   made.name = crashed.name
