@@ -80,6 +80,7 @@ def test_the_table_gives_percent_and_signed_points_per_rate():
   text = bench.table([r])
   assert text.splitlines()[0].startswith("| MTBF s | crashes |")
   assert "| 30 | 1 | 1.000 | 1.00 | 2.0 | 80.0 | 90.0 | +10.0 | 85.0 | +5.0 |" in text
+  assert text.endswith("| 0.0 | 0.0 | +5.0 |")  # no discarded or idle time: all 5 points left
 
 
 def test_the_full_bench_estimate_scales_training_by_steps_and_keeps_the_overhead():
