@@ -147,6 +147,46 @@ def test_a_rejoin_discount_moves_stale_steps_to_badput():
   assert stale.goodput == pytest.approx(plain.goodput - stale.badput[accounting.STALE], abs=1e-9)
 
 
+# One learner of one chip, as the runtime's learners are: every duration exact, step 1 s,
+# restart 2 s after the repair.
+ONE_CHIP = dataclasses.replace(FIXED, slice_chips=1, step_s=1.0, reconfig_s=2.0)
+
+
+def test_a_crash_loses_the_unmerged_steps_before_the_one_in_flight():
+  # Runs 0-5.5 s, fails at 5.5 s (0.5 s into a step; 2 s of steps before it unmerged, lost too),
+  # repaired 3 s later at 8.5 s, restarts for 2 s and runs 10.5-20 s.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[5.5],
+                               repair_durations_s=[3.0], failure_lost_s=2.0)
+  assert trace.useful == pytest.approx(3.0 + 9.5)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(0.5 + 2.0)
+  assert trace.badput[accounting.IDLE_DOWN] == pytest.approx(3.0 + 2.0)
+  _assert_chip_time_adds_up(trace)
+
+
+def test_a_crash_loses_no_more_than_the_learner_ran_since_its_restart():
+  # The second crash at 14.5 s comes 2 s after the restart ended at 12.5 s: it loses 2 s, not 5.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[7.5, 14.5],
+                               repair_durations_s=[3.0, 1.0], failure_lost_s=5.0)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(5.5 + 2.0)
+  assert trace.useful == pytest.approx(2.0 + 0.0 + 2.5)
+  _assert_chip_time_adds_up(trace)
+
+
+def test_scripted_repairs_need_one_per_failure():
+  with pytest.raises(ValueError, match="repair_durations_s"):
+    simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[5.0],
+                         repair_durations_s=[1.0, 2.0])
+
+
+def test_unmerged_lost_steps_lower_decoupled_goodput_by_the_lost_work():
+  plain = goodput.simulate_system("decoupled", 300_000, PARAMS, num_learners=4, horizon_days=0.5)
+  options = goodput.DecoupledOptions(unmerged_lost_steps=14)
+  lossy = goodput.simulate_system("decoupled", 300_000, PARAMS, num_learners=4, horizon_days=0.5,
+                                  decoupled=options)
+  assert lossy.badput[accounting.LOST_PROGRESS] > plain.badput[accounting.LOST_PROGRESS]
+  assert lossy.goodput < plain.goodput
+
+
 # ---- agreement with the closed forms ------------------------------------------------------------
 
 

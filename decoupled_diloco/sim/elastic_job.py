@@ -39,6 +39,8 @@ def simulate_elastic_job(
     rejoin_stale_s: float = 0.0,
     rejoin_discount: float = 0.0,
     failure_times_s: Optional[Sequence[float]] = None,
+    repair_durations_s: Optional[Sequence[float]] = None,
+    failure_lost_s: float = 0.0,
 ) -> accounting.JobTrace:
   """Simulates one elastic job of `num_chips` chips over [0, horizon_s) after a warm-up.
 
@@ -53,6 +55,11 @@ def simulate_elastic_job(
     rejoin_discount: share of those stale steps' useful work that does not count (0 = none).
     failure_times_s: scripted failures instead of the Poisson process: at each of these times one
       slice of the mesh fails (tests of one failure's cost). No warm-up is simulated then.
+    repair_durations_s: with `failure_times_s`, the repair time of each scripted failure, in the
+      same order (a fault schedule a real run drew, replayed); None = drawn as usual.
+    failure_lost_s: seconds of steps lost at each failure besides the step in flight, at most what
+      the job ran since its last pause (decoupled learners: the progress no merge had taken in yet,
+      which a crashed learner's fragments held; 0 = only the step in flight, a DP snapshot per step).
 
   Returns:
     The job's trace: useful chip-seconds, badput buckets, pause intervals.
@@ -61,6 +68,13 @@ def simulate_elastic_job(
     raise ValueError(f"horizon_s={horizon_s} must be > 0")
   if not 0.0 <= rejoin_discount <= 1.0:
     raise ValueError(f"rejoin_discount={rejoin_discount} must be in [0, 1]")
+  if not failure_lost_s >= 0.0:
+    raise ValueError(f"failure_lost_s={failure_lost_s} must be >= 0")
+  if repair_durations_s is not None and (
+      failure_times_s is None or len(repair_durations_s) != len(failure_times_s)):
+    raise ValueError("repair_durations_s needs failure_times_s of the same length, one repair per "
+                     f"failure (got {None if failure_times_s is None else len(failure_times_s)} "
+                     f"failures, {len(repair_durations_s)} repairs)")
   total_slices = num_slices(num_chips, params.slice_chips)
   chips = num_chips / total_slices  # per slice
   slice_rate = chips / params.mtbi_s
@@ -68,6 +82,8 @@ def simulate_elastic_job(
   rand = RandomStream(rng, params)
   inf = math.inf
   scripted = None if failure_times_s is None else sorted(failure_times_s, reverse=True)
+  scripted_repairs = None if repair_durations_s is None else [
+      d for _, d in sorted(zip(failure_times_s, repair_durations_s), reverse=True)]
   if scripted is not None:
     warmup_s = 0.0
 
@@ -132,17 +148,21 @@ def simulate_elastic_job(
       if hit_mesh:
         if t > 0.0:
           num_failures += 1
-          if not paused and step_s > 0.0:
-            # The step in flight was counted as useful (or stale) so far: move it to lost.
-            in_flight = min((t - run_since) % step_s, t)
-            stale_part = max(0.0, min(t, stale_until) - (t - in_flight)) * rejoin_discount
-            useful -= in_mesh * chips * (in_flight - stale_part)
+          if not paused:
+            # The step in flight (and failure_lost_s of steps before it) was counted as useful
+            # (or stale) so far: move it to lost.
+            ran = min(t - run_since, t)
+            in_flight = min((t - run_since) % step_s, t) if step_s > 0.0 else 0.0
+            gone = in_flight + min(failure_lost_s, ran - in_flight)
+            stale_part = max(0.0, min(t, stale_until) - (t - gone)) * rejoin_discount
+            useful -= in_mesh * chips * (gone - stale_part)
             stale -= in_mesh * chips * stale_part
-            lost += in_mesh * chips * in_flight
+            lost += in_mesh * chips * gone
         in_mesh -= 1
       else:
         waiting -= 1
-      heapq.heappush(repairs, t + rand.duration(repair_s))
+      repair = scripted_repairs.pop() if scripted_repairs else rand.duration(repair_s)
+      heapq.heappush(repairs, t + repair)
       if not paused:
         paused, pause_start = True, t
       # A new (or restarted) re-configuration, without the failed slice.

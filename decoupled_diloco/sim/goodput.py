@@ -37,6 +37,12 @@ class DecoupledOptions:
   # Share of those steps' work that does not count. 0: none (the paper's token weights already give
   # such steps a small say in the merge, docs/design.md §6).
   rejoin_discount: float = 0.0
+  # Steps of work a crashed learner loses besides the step in flight: what its fragments had made
+  # that no merge had taken in yet. Fragment p is taken in every H steps, staggered, and an offer
+  # lands tau steps after it is made, so a learner holds on average about H/2 + tau steps of every
+  # fragment (scripts/bench_sim_to_real.py measures it). 0: only the step in flight, as the paper's
+  # model counts a failure.
+  unmerged_lost_steps: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +110,8 @@ def simulate_system(
         simulate_elastic_job(num_chips / num_learners, params, horizon_s,
                              np.random.default_rng(child), warmup_s=warmup_s,
                              rejoin_stale_s=decoupled.rejoin_stale_steps * params.step_s,
-                             rejoin_discount=decoupled.rejoin_discount)
+                             rejoin_discount=decoupled.rejoin_discount,
+                             failure_lost_s=decoupled.unmerged_lost_steps * params.step_s)
         for child in root.spawn(num_learners)
     ]
   return SystemResult(
