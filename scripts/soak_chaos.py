@@ -17,9 +17,20 @@ checks while it runs and at the end:
 
 Prints the counts and writes `results/soak_chaos.json`; exits 1 on a violation or with fewer than
 `--min_faults` faults.
+
+`--runtime=ray` runs the same on a Ray cluster of several nodes on this machine
+(`ray.cluster_utils.Cluster`, loopback only): one host per learner plus `--spare_hosts` spares,
+two syncer hosts, learners and syncer placed by their resources (config.ray.learner_resource,
+syncer_resource). `--node_loss_fraction` of the random faults are node losses (the learner's host
+taken down with every process on it) and every other syncer fault is its host's loss; a thread
+adds a fresh host in place of each lost one, as a cluster's node provisioner would.
+
+  .venv/bin/python scripts/soak_chaos.py --runtime=ray --num_steps=300 --mtbf_s=8 \
+      --node_loss_fraction=0.3 --out=results/soak_chaos_ray.json
 """
 
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -50,6 +61,70 @@ _MAX_GAP_S = flags.DEFINE_float("max_gap_s", 20.0,
 _MIN_FAULTS = flags.DEFINE_integer("min_faults", 200, "Fewer faults than this is a failure.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random crashes.")
 _OUT = flags.DEFINE_string("out", "results/soak_chaos.json", "Where the figures go.")
+_RUNTIME = flags.DEFINE_enum("runtime", "threads", ["threads", "ray"],
+                             "threads: this process; ray: a Ray cluster of several nodes here.")
+_NODE_LOSS = flags.DEFINE_float("node_loss_fraction", 0.3,
+                                "runtime=ray: the share of random faults that are node losses.")
+_SPARE_HOSTS = flags.DEFINE_integer("spare_hosts", 1, "runtime=ray: spare learner hosts.")
+
+_LEARNER_HOST, _SYNCER_HOST = "learner_host", "syncer_host"
+
+
+class _Cluster:
+  """runtime=ray: Ray nodes on this machine, on loopback, and a thread that adds a host in place
+  of each one lost (a dead node is forgotten, a new one of its kind started)."""
+
+  def __init__(self, learner_hosts: int, syncer_hosts: int = 2):
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray  # pylint: disable=g-import-not-at-top
+    from ray import cluster_utils  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime.transport import ray_runtime  # pylint: disable=g-import-not-at-top
+    self._ray, self._env = ray, dict(ray_runtime.LOCAL_ENV)
+    self.wanted = {_LEARNER_HOST: learner_hosts, _SYNCER_HOST: syncer_hosts}
+    # Ray's node start sets a SIGTERM handler, which only the main thread may: the top-up thread
+    # starts nodes without it (the cluster is shut down from the main thread at the end).
+    utils = ray._private.utils  # pylint: disable=protected-access
+    main_only = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: (
+        main_only(handler) if threading.current_thread() is threading.main_thread() else None)
+    self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=dict(
+        self._args(None), _system_config={"health_check_period_ms": 500,
+                                          "health_check_failure_threshold": 3}))
+    self.hosts_added = 0
+    self._top_up()
+    self.cluster.wait_for_nodes()
+    ray.init(address=self.cluster.address)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._keep_up, daemon=True)
+    self._thread.start()
+
+  def _args(self, resource: str | None) -> dict:
+    return dict(num_cpus=1 if resource else 0, node_ip_address="127.0.0.1",
+                resources={resource: 1} if resource else {}, env_vars=self._env)
+
+  def _top_up(self) -> None:
+    alive = [n for n in self._ray.nodes() if n["Alive"]] if self._ray.is_initialized() else []
+    alive_ids = {n["NodeID"] for n in alive}
+    for node in [n for n in self.cluster.worker_nodes if n.node_id not in alive_ids and alive]:
+      self.cluster.remove_node(node, allow_graceful=False)
+    for resource, count in self.wanted.items():
+      have = sum(1 for n in alive if resource in n["Resources"]) if alive else 0
+      for _ in range(count - have):
+        self.cluster.add_node(wait=False, **self._args(resource))
+        self.hosts_added += 1
+
+  def _keep_up(self) -> None:
+    while not self._stop.wait(1.0):
+      try:
+        self._top_up()
+      except Exception as err:  # pylint: disable=broad-except
+        print(f"soak: could not add a host ({err!r}); trying again", flush=True)
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(30)
+    self._ray.shutdown()
+    self.cluster.shutdown()
 
 
 class _Watch:
@@ -67,6 +142,8 @@ class _Watch:
       return
     current = self.run.learners[learner]
     versions = [int(v) for v in current.published.anchor_versions]
+    if min(versions, default=0) < 0:
+      return  # runtime=ray: a process down or restarting answers with a stand-in, no versions
     with self._lock:
       self.step_times.append(time.monotonic())
       key = (learner, current.incarnation)
@@ -111,17 +188,30 @@ def main(argv):
   config.chaos.mtbf_s = _MTBF_S.value
   config.chaos.repair_s = _REPAIR_S.value
   config.chaos.seed = _SEED.value
+  ray_mode = _RUNTIME.value == "ray"
   if _SYNCER_EVERY_S.value > 0:
+    times = range(int(_SYNCER_EVERY_S.value), int(_HORIZON_S.value), int(_SYNCER_EVERY_S.value))
     config.chaos.schedule = ";".join(
+        f"node_loss@syncer,second={t:g}" if ray_mode and i % 2 else
         f"syncer_crash@second={t:g},down_s={_SYNCER_DOWN_S.value:g}"
-        for t in range(int(_SYNCER_EVERY_S.value), int(_HORIZON_S.value),
-                       int(_SYNCER_EVERY_S.value)))
-  settings = settings_lib.validate(config)
-  watch = _Watch()
-  run = train.build(settings, step_hook=watch)
-  watch.run = run
-  started = time.monotonic()
-  summary = train.execute(run, progress=True)
+        for i, t in enumerate(times))
+  cluster = None
+  if ray_mode:
+    cluster = _Cluster(learner_hosts=config.num_learners + _SPARE_HOSTS.value)
+    config.runtime = "ray"
+    config.ray.address = cluster.cluster.address
+    config.ray.learner_resource, config.ray.syncer_resource = _LEARNER_HOST, _SYNCER_HOST
+    config.chaos.node_loss_fraction = _NODE_LOSS.value
+  try:
+    settings = settings_lib.validate(config)
+    watch = _Watch()
+    run = train.build(settings, step_hook=watch)
+    watch.run = run
+    started = time.monotonic()
+    summary = train.execute(run, progress=True)
+  finally:
+    if cluster is not None:
+      cluster.close()
   # Training started a moment after `started`: the gap test is conservative by that much.
   intervals = _down_intervals(summary)
   gap = _longest_gap_with_one_up(watch.step_times, started, intervals, settings.num_learners)
@@ -143,10 +233,13 @@ def main(argv):
   result = {
       "command": "scripts/soak_chaos.py " + " ".join(
           f"--{f.name}={f.value}" for f in (_NUM_STEPS, _MTBF_S, _REPAIR_S, _SYNCER_EVERY_S,
-                                            _SYNCER_DOWN_S, _SEED)),
+                                            _SYNCER_DOWN_S, _SEED) + (
+                                                (_RUNTIME, _NODE_LOSS, _SPARE_HOSTS)
+                                                if ray_mode else ())),
       "faults": len(summary["faults"]), "faults_by_kind": kinds,
       "rejoins": summary["rejoins"], "syncer_restarts": summary["syncer_restarts"],
       "checkpoints_written": len(summary["checkpoints_written"]),
+      **({"hosts_added": cluster.hosts_added} if cluster is not None else {}),
       "longest_pause_with_a_learner_up_s": round(gap, 3),
       "versions_violations": watch.violations[:10],
       "fragment_token_accounting": tokens,

@@ -41,9 +41,15 @@ def test_a_merge_a_syncer_crash_took_down_is_lost_not_merged():
   # Learner 1 failed holding fragment 1 at version 0: its offer in the lost merge never reached
   # Theta, so its tokens are lost with it, not merged.
   assert tape.merged_after_failure(records, 1, 0, [1, 0]) == 0
+  # Had it applied the lost merge (fragment 1 at version 1) before failing, its counters would no
+  # longer hold that offer's tokens: they are lost with the syncer's crash and its failure.
+  assert tape.applied_then_lost(records, 1, 0, [1, 0]) == 0
+  assert tape.applied_then_lost(records, 1, 0, [1, 1]) == 256
+  assert tape.applied_then_lost(records, 0, 0, [1, 1]) == 3 * 128  # learner 0's offer in it
   del records[1]["lost"]
   assert tape.double_merged_offers(records) == 1 and tape.merged_after_failure(
       records, 1, 0, [1, 0]) == 256
+  assert tape.applied_then_lost(records, 1, 0, [1, 1]) == 0  # not lost: merged
 
 
 def test_unmerged_steps_are_counted_per_learner_over_its_worst_fragment():

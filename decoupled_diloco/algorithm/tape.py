@@ -105,6 +105,25 @@ def merged_after_failure(tape: Sequence[Mapping[str, Any]], learner: int, incarn
   return tokens
 
 
+def applied_then_lost(tape: Sequence[Mapping[str, Any]], learner: int, incarnation: int,
+                      anchor_versions: Sequence[int]) -> int:
+  """Tokens of a failed incarnation's offers in merges it applied and a crashed syncer then lost.
+
+  Applying a merge takes its offers' tokens out of the learner's counters; a syncer that crashed
+  before any live learner or checkpoint held that Theta_p restarts below it and marks the merge
+  lost (`lost_merges`). If the one incarnation that held it failed too, those tokens are in no
+  counter and in no installed merge: lost with the two failures.
+  """
+  tokens = 0
+  for record in tape:
+    if not record.get("lost") or record["version"] > anchor_versions[record["fragment"]]:
+      continue
+    for key, offered in zip(_offers(record), record["tokens"]):
+      if key[0] == (learner, incarnation):
+        tokens += offered
+  return tokens
+
+
 def fingerprint(arrays: Mapping[str, Any]) -> str:
   """A fingerprint of named float arrays that changes with any bit of any of them: per array in
   name order, the sum (mod 2**64) and the xor of its 32-bit words. The event tape records one per

@@ -168,9 +168,9 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
   syncer, port = None, None
   transport.start(settings)
 
-  def make_syncer():
-    """A syncer at the initial Theta, compiled (at start-up, and again after a crash)."""
-    return transport.make_syncer(settings, syncer, metrics=metrics, network=network,
+  def make_syncer(crashed=None):
+    """A syncer at the initial Theta, compiled (at start-up, and again after `crashed` crashed)."""
+    return transport.make_syncer(settings, crashed, metrics=metrics, network=network,
                                  initial=initial, syncer_mesh=syncer_mesh)
 
   if sync is not None:

@@ -205,9 +205,11 @@ def _fault_summary(run: run_lib.Run, tape, incarnations, steps_made,
       supervisor.summary_records() if supervisor is not None else [])
   lost = 0
   for failure in failures:
+    versions = failure.pop("anchor_versions")
     failure["lost_fragment_tokens"] = sum(failure.pop("counter_tokens")) - (
         tape_lib.merged_after_failure(tape, failure["learner"], failure["incarnation"],
-                                      failure.pop("anchor_versions")))
+                                      versions)) + (
+        tape_lib.applied_then_lost(tape, failure["learner"], failure["incarnation"], versions))
     lost += failure["lost_fragment_tokens"]
   faults = [dict(f) for f in history["faults"]] + (
       [dict(f) for f in run.injector.records] if run.injector is not None else []) + (

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import syncer as syncer_lib
@@ -210,7 +211,12 @@ class Supervisor:
                                self._init_opt_state,
                                peer.offers_made if peer is not None else None)
     step, opt_state = snapshot.step, snapshot.train_state.opt_state
-    new = failed.respawn(snapshot)
+    try:
+      new = failed.respawn(snapshot)
+    except handles.GoneWhileRestarting as err:
+      logging.warning("%s; it rejoins once its process is back", err)
+      self._failed[m] = record
+      return
     # The event tape (runtime/records/event_tape.py): what a replay needs to make this incarnation again.
     new.tape_respawn(
         failed_incarnation=failed.incarnation, failed_step=failed.step,

@@ -63,7 +63,7 @@ class SyncerKeeper:
   """Periodic syncer checkpoints; crash and restart of the syncer. Driven by the controller."""
 
   def __init__(self, *, syncer: handles.SyncerHandle, port: SyncerPort,
-               make_syncer: Callable[[], handles.SyncerHandle],
+               make_syncer: Callable[[handles.SyncerHandle], handles.SyncerHandle],
                learners: list[handles.LearnerHandle],
                checkpoints: checkpoints_lib.Checkpoints | None, every_s: float,
                faults: Sequence[chaos.Fault], metrics: metrics_lib.MetricsWriter | None = None,
@@ -164,7 +164,7 @@ class SyncerKeeper:
     while not self._drained(down) and self._clock() < deadline:
       time.sleep(0.01)
     drained = self._clock()
-    syncer = self._make_syncer()
+    syncer = self._make_syncer(self.syncer)  # (the crashed one, until now)
     restored, source = None, "the initial Theta (no syncer checkpoint)"
     if self._checkpoints is not None:
       self._checkpoints.wait()

@@ -246,19 +246,26 @@ class RemoteLearner:
       snapshot = dataclasses.replace(snapshot, data_state=self.data_state)
     incarnation = self.incarnation + 1
     import ray  # pylint: disable=g-import-not-at-top
-    for actor in self._actors:
-      plumbing.wait_until_up(actor, f"learner {self.index}")
-    if len(self._actors) > 1:
-      # Fresh processes (a failure ends all of them, `_fail`): a new jax.distributed job.
-      join_group(self._actors, self.index, self._secret)
-    mac = plumbing.sign(self._secret, "restore", self.index, incarnation)
-    pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in self._actors],
-                   timeout=plumbing.CALL_TIMEOUT_S * 5)
-    made = RemoteLearner(self.index, self.actor, secret=self._secret, port=self._port,
-                         metrics=self._metrics, layout=self.layout, like=self.state_like,
-                         num_devices=self.num_devices, device_kind=self.device_kind,
-                         incarnation=incarnation, pid=pids, step_hook=self._step_hook,
-                         placement=self._placement)
+    try:
+      for actor in self._actors:
+        plumbing.wait_until_up(actor, f"learner {self.index}")
+      if len(self._actors) > 1:
+        # Fresh processes (a failure ends all of them, `_fail`): a new jax.distributed job.
+        join_group(self._actors, self.index, self._secret)
+      mac = plumbing.sign(self._secret, "restore", self.index, incarnation)
+      pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in self._actors],
+                     timeout=plumbing.CALL_TIMEOUT_S * 5)
+      made = RemoteLearner(self.index, self.actor, secret=self._secret, port=self._port,
+                           metrics=self._metrics, layout=self.layout, like=self.state_like,
+                           num_devices=self.num_devices, device_kind=self.device_kind,
+                           incarnation=incarnation, pid=pids, step_hook=self._step_hook,
+                           placement=self._placement)
+    except ray.exceptions.RayActorError as err:
+      # Killed again while being restored (another fault, its host lost): Ray restarts it again.
+      self._up_ref = None
+      raise handles.GoneWhileRestarting(
+          f"learner {self.index}: its process died while it rejoined ({type(err).__name__})"
+      ) from err
     for i, (pid, node) in enumerate(zip(pids, made.nodes)):
       logging.info("learner %d pid %d (incarnation %d%s)%s", self.index, pid, incarnation,
                    f", process {i} of {len(pids)}" if len(pids) > 1 else "",
@@ -304,7 +311,8 @@ class RemoteLearner:
   def lose_host(self) -> None:
     """Its leader's host lost with every process on it (config.chaos's node_loss): the Ray node
     is taken down (`ray_plumbing.lose_node`); a process kill where that node is the command's."""
-    plumbing.lose_node(self.nodes[0], fallback=self.kill)
+    plumbing.lose_node(self.nodes[0], lambda: self._actor.lose_host.remote(
+        *self._signed("lose_host")), fallback=self.kill)
 
   def check_replicas(self) -> bool | None:
     """A multi-process learner after its last step: whether every copy of every piece of its

@@ -147,25 +147,33 @@ def on_node(node_id: str) -> str:
   return f" on node {node_id[:12]}" if alive > 1 else ""
 
 
-def _take_down_this_node() -> int:
-  """Run on the node to lose: SIGKILL to this worker's parent, the node's raylet. Its object store
-  goes with it, every worker on the node exits once its raylet is gone, and the cluster declares
-  the node dead at its next missed health checks, as when a host is lost."""
+def take_down_this_node() -> None:
+  """In a learner's or the syncer's process, as its host is lost: SIGKILL to every other process
+  the node's raylet (this process's parent) started (the other workers there), to the raylet,
+  whose object store goes with it, and to this process. The cluster declares the node dead at its
+  next missed health checks. (The workers go too: one whose raylet died goes on answering calls
+  for seconds.)"""
   import signal  # pylint: disable=g-import-not-at-top
-  raylet = os.getppid()
-  os.kill(raylet, signal.SIGKILL)
-  return raylet
+  import psutil  # pylint: disable=g-import-not-at-top  (Ray's own dependency)
+  raylet = psutil.Process(os.getppid())
+  for process in raylet.children(recursive=True):
+    if process.pid != os.getpid():
+      try:
+        process.send_signal(signal.SIGKILL)
+      except psutil.NoSuchProcess:
+        pass
+  raylet.send_signal(signal.SIGKILL)
+  os.kill(os.getpid(), signal.SIGKILL)
 
 
-def lose_node(node_id: str, fallback: Callable[[], None]) -> None:
-  """Takes the Ray node `node_id` down (fire and forget), or calls `fallback` (a process kill)
-  where that node is the command's own: its loss would end the command's Ray."""
+def lose_node(node_id: str, take_down: Callable[[], Any], fallback: Callable[[], None]) -> None:
+  """Has the process on node `node_id` take its node down (`take_down`: a fire-and-forget call of
+  its `lose_host`), or calls `fallback` (a process kill) where that node is the command's own:
+  its loss would end the command's Ray."""
   import ray  # pylint: disable=g-import-not-at-top
-  from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # pylint: disable=g-import-not-at-top
   if node_id == ray.get_runtime_context().get_node_id():
     logging.warning("node %s is the command's own: a process kill instead of its loss",
                     node_id[:12])
     fallback()
     return
-  ray.remote(num_cpus=0, max_retries=0)(_take_down_this_node).options(
-      scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+  take_down()

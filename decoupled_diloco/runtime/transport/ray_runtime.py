@@ -313,6 +313,11 @@ class LearnerProcess:
     import ray  # pylint: disable=g-import-not-at-top
     return ray.get_runtime_context().get_node_id()
 
+  def lose_host(self, incarnation: int, mac: str) -> None:
+    """config.chaos's node_loss: this host goes, with every process on it."""
+    self._check(mac, "lose_host", incarnation)
+    plumbing.take_down_this_node()
+
   def start(self, incarnation: int, mac: str) -> None:
     self._check(mac, "start", incarnation)
     if not self._started:

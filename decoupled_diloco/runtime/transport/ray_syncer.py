@@ -136,6 +136,10 @@ class SyncerProcess:
     import ray  # pylint: disable=g-import-not-at-top
     return ray.get_runtime_context().get_node_id()
 
+  def lose_host(self) -> None:
+    """config.chaos's node_loss@syncer: this host goes, with every process on it."""
+    plumbing.take_down_this_node()
+
   def compile_seconds(self) -> float:
     return self.syncer.compile_seconds
 
@@ -259,8 +263,15 @@ class RemoteSyncer:
 
   def attach(self, learner: int, link, step: int = 0, incarnation: int = 0,
              anchor_versions: np.ndarray | None = None) -> None:
+    import ray  # pylint: disable=g-import-not-at-top
     mac = plumbing.sign(self._secret, "attach", learner, incarnation)
-    self.get("attach", learner, link.actor, step, incarnation, anchor_versions, mac)
+    try:
+      self.get("attach", learner, link.actor, step, incarnation, anchor_versions, mac)
+    except ray.exceptions.RayActorError as err:
+      # The syncer's process died meanwhile (a rejoin takes seconds): the keeper attaches every
+      # live learner, this one included, to the restored syncer.
+      logging.warning("learner %d is attached once the syncer is back (%s)", learner,
+                      type(err).__name__)
 
   def start(self) -> None:
     self.get("start")
@@ -348,7 +359,8 @@ class RemoteSyncer:
   def lose_host(self) -> None:
     """Its host lost with every process on it (config.chaos's node_loss@syncer)."""
     self._stopped.set()
-    plumbing.lose_node(self.node, fallback=lambda: os.kill(self.pid, signal.SIGKILL))
+    plumbing.lose_node(self.node, self._actor.lose_host.remote,
+                       fallback=lambda: os.kill(self.pid, signal.SIGKILL))
 
   def end(self) -> None:
     import ray  # pylint: disable=g-import-not-at-top
