@@ -196,7 +196,12 @@ class Supervisor:
       failed.join(timeout=10)  # it has failed; its thread is only posting its exit
     repaired = self._clock()
     syncer = self._syncer()
-    theta, versions = syncer.model.received()
+    try:
+      theta, versions = syncer.model.received()
+    except handles.SyncerGone as err:
+      logging.warning("learner %d rejoins once the syncer is back (%s)", m, err)
+      self._failed[m] = record
+      return
     layout = failed.layout
     peer = self._healthy_peer(m)
     # A donating learner publishes its optimizer state only when asked: at its next step.

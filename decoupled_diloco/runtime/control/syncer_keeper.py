@@ -115,7 +115,14 @@ class SyncerKeeper:
         # Ray has restarted it already: restore it now, as after an injected crash.
         self._crash(f"its process died ({self.syncer.error})", 0.0, now, planned=False)
     elif now >= self._down["restart_at"]:
-      self._restart()
+      try:
+        self._restart()
+      except handles.SyncerGone as err:
+        # runtime=ray: the restarted process died too (another fault, its host lost): Ray
+        # restarts it again; so does this, a moment later.
+        logging.warning("the syncer's restart failed (%s); trying again", err)
+        self._port.connect(None)
+        self._down["restart_at"] = self._clock() + 1.0
 
   def _save_if_due(self, now: float) -> None:
     if self._checkpoints is None or not self._every_s:

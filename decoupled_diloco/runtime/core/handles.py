@@ -26,6 +26,11 @@ from decoupled_diloco.runtime.core import messages
 RECENT = 64  # the step times and losses a status carries: far more than a learner makes per poll
 
 
+class SyncerGone(RuntimeError):
+  """The syncer's process died during a call on it (runtime=ray: killed, or its host lost). The
+  caller tries again once the keeper has restored it."""
+
+
 class GoneWhileRestarting(RuntimeError):
   """A learner's process died again while it was being handed its rejoin (`respawn`): another
   crash or a lost host. The supervisor tries the rejoin again once the process is back."""

@@ -36,6 +36,7 @@ from absl import logging
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.transport import ray_links
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
@@ -252,7 +253,12 @@ class RemoteSyncer:
 
   def get(self, method: str, *args, timeout: float = plumbing.CALL_TIMEOUT_S):
     import ray  # pylint: disable=g-import-not-at-top
-    return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
+    try:
+      return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+      # Its process died, or its host with the answer in its object store.
+      raise handles.SyncerGone(f"the syncer's process is gone during {method} "
+                               f"({type(err).__name__})") from err
 
   # ---- what the controller calls ---------------------------------------------------------------
 
@@ -263,15 +269,13 @@ class RemoteSyncer:
 
   def attach(self, learner: int, link, step: int = 0, incarnation: int = 0,
              anchor_versions: np.ndarray | None = None) -> None:
-    import ray  # pylint: disable=g-import-not-at-top
     mac = plumbing.sign(self._secret, "attach", learner, incarnation)
     try:
       self.get("attach", learner, link.actor, step, incarnation, anchor_versions, mac)
-    except ray.exceptions.RayActorError as err:
+    except handles.SyncerGone as err:
       # The syncer's process died meanwhile (a rejoin takes seconds): the keeper attaches every
       # live learner, this one included, to the restored syncer.
-      logging.warning("learner %d is attached once the syncer is back (%s)", learner,
-                      type(err).__name__)
+      logging.warning("learner %d is attached once the syncer is back (%s)", learner, err)
 
   def start(self) -> None:
     self.get("start")
