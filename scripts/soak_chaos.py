@@ -25,8 +25,14 @@ syncer_resource). `--node_loss_fraction` of the random faults are node losses (t
 taken down with every process on it) and every other syncer fault is its host's loss; a thread
 adds a fresh host in place of each lost one, as a cluster's node provisioner would.
 
-  .venv/bin/python scripts/soak_chaos.py --runtime=ray --num_steps=300 --mtbf_s=8 \
-      --node_loss_fraction=0.3 --out=results/soak_chaos_ray.json
+  .venv/bin/python scripts/soak_chaos.py --runtime=ray --num_steps=150 --mtbf_s=4 \
+      --syncer_crash_every_s=20 --horizon_s=3000 --node_loss_fraction=0.3 \
+      --out=results/soak_chaos_ray.json --config.model.num_layers=2 --config.model.embed_dim=64 \
+      --config.model.mlp_dim=256 --config.model.num_heads=2 --config.model.head_dim=32 \
+      --config.sync.num_fragments=4
+
+(a smaller model than the default's, so that a restarted process is back in seconds; the fault rate
+is per second, so the run's length sets the number of faults.)
 """
 
 import json
