@@ -106,7 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
   # one unit of, so they run on the hosts that advertise it (`ray start --resources='{"NAME": 1}'`);
   # a lost host's learner restarts on a spare that advertises it too. "" = any node with a CPU.
   config.ray.learner_resource = ""
-  config.ray.syncer_resource = ""
+  config.ray.syncer_resource = ""  # the same for the syncer's process (and its spare host)
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use
