@@ -78,6 +78,29 @@ TINY_FIELDS = {
 }
 
 
+def load_script(name: str):
+  """scripts/NAME.py as a module, for tests of its pure parts, with the absl flags it defined at
+  import taken back out of the global FLAGS: two scripts define flags of the same name (`out`,
+  `num_steps`), and the second import into one test process would fail."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  scripts = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+  if str(scripts) not in sys.path:
+    sys.path.insert(0, str(scripts))
+  before = set(flags.FLAGS)
+  spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # (its dataclasses look their module up there)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    for flag in set(flags.FLAGS) - before:
+      delattr(flags.FLAGS, flag)
+  return module
+
+
 def tiny_flags(**overrides) -> list[str]:
   """TINY_FIELDS and `overrides` (dotted names with '__' for '.') as `--config.F=V` flags."""
   fields = {**TINY_FIELDS, **{k.replace("__", "."): v for k, v in overrides.items()}}

@@ -2,15 +2,13 @@
 replay of the run's crash schedule, and the table. No training."""
 
 import math
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+from decoupled_diloco.sim.cluster import SECONDS_PER_YEAR
+from tests.conftest import load_script
 
-import bench_sim_to_real as bench  # pylint: disable=g-import-not-at-top,wrong-import-position
-from decoupled_diloco.sim.cluster import SECONDS_PER_YEAR  # pylint: disable=wrong-import-position
+bench = load_script("bench_sim_to_real")
 
 TOKENS_PER_STEP = bench.BATCH_SIZE * bench.SEQ_LEN
 FRAGMENTS = 24

@@ -1,24 +1,19 @@
 """scripts/study_scaling.py: the plan, the fitted exponent and the option arms, without training."""
 
-import importlib.util
 import math
 import pathlib
-import sys
 
 import ml_collections
 import pytest
+
+from tests.conftest import load_script
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(name="study", scope="module")
 def _study_scaling():
-  sys.path.insert(0, str(_ROOT / "scripts"))
-  spec = importlib.util.spec_from_file_location("study_scaling",
-                                                _ROOT / "scripts" / "study_scaling.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("study_scaling")
 
 
 def test_the_fit_recovers_a_known_exponent_within_its_interval(study):
