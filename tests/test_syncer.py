@@ -655,6 +655,21 @@ def test_a_restarted_syncer_never_merges_an_offer_anchored_before_the_theta_it_t
     np.testing.assert_array_equal(syncer.global_params()[name], 1.0)
 
 
+def test_a_restarted_syncer_passes_over_a_learner_whose_process_is_down():
+  """A learner whose process died just before the syncer's restart gives the stand-in
+  publication of runtime/transport/ray_learner.py (no state, every anchor version -1). With no
+  other learner up, the restarted syncer keeps its own Theta (a Ray cluster test once died here
+  on the stand-in's missing anchors)."""
+  syncer, _ = _syncer(quorum=1)
+  down = np.full(len(syncer.model.fragments), -1, np.int64)
+  zeros = np.zeros(len(down), np.int64)
+  stand_in = messages.Publication(step=40, params={}, since=zeros + 40, counter_steps=zeros,
+                                  counter_tokens=zeros, anchor_versions=down, anchors={},
+                                  training=True)
+  info = syncer.recover(None, {0: stand_in}, stats=syncer.stats, tape=[])
+  assert info["fragments_from_learners"] == [] and info["versions"] == [0] * len(down)
+
+
 def test_a_restarted_syncer_marks_the_merges_its_predecessor_took_down_with_it_lost():
   """The lost syncer put version 1 of fragments p and q on its tape; learner 0 applied q's, but
   the process died before p's broadcasts left (runtime/transport/ray_syncer.py sends them once the

@@ -92,8 +92,10 @@ class SyncerCheckpoints:
     self.stats, self.tape = stats, tape
     restored_versions = list(self.model.versions)
     from_learners = []
+    # A learner whose process is down gives a stand-in without state (every version -1).
+    holding = [pub for pub in publications.values() if pub.anchors]
     for p, fragment in enumerate(self.model.fragments):
-      newest = max(publications.values(), key=lambda pub: pub.anchor_versions[p], default=None)
+      newest = max(holding, key=lambda pub: pub.anchor_versions[p], default=None)
       if newest is not None and self.model.take_newer(
           p, int(newest.anchor_versions[p]), {n: newest.anchors[n] for n in fragment.names}):
         from_learners.append(p)
