@@ -164,6 +164,21 @@ def wait_until(condition, timeout_s=60.0, poll_s=0.01):
   return True
 
 
+def act_when(condition, then, timeout_s=120.0):
+  """A started daemon thread that calls then() once condition() holds (`wait_until`); nothing if
+  it never does within timeout_s. The test joins it after its run: a hand fault at a chosen point
+  of a run (a kill, a host removed)."""
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def wait_then_act():
+    if wait_until(condition, timeout_s):
+      then()
+
+  thread = threading.Thread(target=wait_then_act, daemon=True)
+  thread.start()
+  return thread
+
+
 def pytest_configure(config):
   """One compilation cache per test session: runs that rebuild the same learner meshes and steps
   (most runtime tests) load the compiled programs instead of compiling them again."""

@@ -9,13 +9,13 @@ import pathlib
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from decoupled_diloco.runtime import train
 from decoupled_diloco.runtime.transport import ray_runtime  # sets Ray's loopback variable first
+from tests.conftest import act_when
 from tests.conftest import tiny_flags
 from tests.conftest import tiny_settings
 
@@ -88,22 +88,6 @@ def hosts_back(cluster):
   cluster.wait_for_nodes()
 
 
-def _when(run, condition, then) -> threading.Thread:
-  """A started thread that calls then() once condition() holds (within 120 s)."""
-
-  def wait():
-    deadline = time.monotonic() + 120
-    while not condition():
-      if time.monotonic() > deadline:
-        return
-      time.sleep(0.01)
-    then()
-
-  thread = threading.Thread(target=wait, daemon=True)
-  thread.start()
-  return thread
-
-
 def _accounting_closes(summary) -> None:
   accounting = summary["fragment_token_accounting"]
   assert accounting["made"] == sum(accounting[k] for k in (
@@ -123,18 +107,20 @@ def test_the_learners_and_the_syncer_run_on_the_hosts_their_resources_name(clust
 
 def test_a_learner_s_host_lost_mid_run_it_rejoins_on_the_spare_host(cluster, tmp_path):
   """Learner 1's node is removed at its step 4 (its raylet, object store and every process on it
-  killed at once): learner 0 trains on, Ray restarts learner 1's actor on the spare learner host,
-  and learner 1 rejoins there from learner 0's state and finishes every step."""
+  killed at once), and the syncer's process is killed (kill -9) in the same moment: learner 0
+  trains on, Ray restarts learner 1's actor on the spare learner host and the syncer's process,
+  the syncer is restored, and learner 1 rejoins from learner 0's state and finishes every step."""
   run = train.build(_settings(cluster, tmp_path))
   first = [l.nodes[0] for l in run.learners]
   assert len(set(first)) == 2 and set(first) <= _hosts(LEARNER_HOST)
   lost = {}
 
   def remove():
-    lost["step0"] = run.learners[0].step
+    lost["step0"], lost["syncer_pid"] = run.learners[0].step, run.syncer.pid
     _remove_host(cluster, first[1])
+    os.kill(lost["syncer_pid"], signal.SIGKILL)  # this machine's pid: a kill -9 on its host
 
-  remover = _when(run, lambda: run.learners[1].step >= 4, remove)
+  remover = act_when(lambda: run.learners[1].step >= 4, remove)
   summary = train.execute(run, progress=False)
   remover.join()
   assert lost and lost["step0"] < 32  # learner 0 had most of its steps ahead of it
@@ -146,7 +132,11 @@ def test_a_learner_s_host_lost_mid_run_it_rejoins_on_the_spare_host(cluster, tmp
   [failure] = summary["failures"]
   assert failure["learner"] == 1 and "its process is gone" in failure["error"]
   assert failure["state_from"] == "learner 0" and summary["rejoins"] == 1
+  assert summary["syncer_restarts"] == 1 and run.keeper.syncer.pid != lost["syncer_pid"]
   assert summary["double_merged_offers"] == 0 and summary["merges"] >= 4
+  # Every merge the learners hold is on the command's tape, also those made just before the
+  # syncer's process died (ray_syncer's _TapeGate: without it three fragment-steps were in no
+  # bucket once).
   _accounting_closes(summary)
 
 
@@ -163,7 +153,7 @@ def test_the_syncer_s_host_lost_mid_run_it_is_restored_on_the_spare_host(cluster
     lost["pid"] = run.syncer.pid
     _remove_host(cluster, first)
 
-  remover = _when(run, lambda: min(l.step for l in run.learners) >= 4, remove)
+  remover = act_when(lambda: min(l.step for l in run.learners) >= 4, remove)
   summary = train.execute(run, progress=False)
   remover.join()
   assert lost
@@ -175,13 +165,15 @@ def test_the_syncer_s_host_lost_mid_run_it_is_restored_on_the_spare_host(cluster
 
 
 @pytest.mark.slow  # two learners of two processes each on four hosts, one host lost: ~1 min here
+@pytest.mark.parametrize("lost_process", [1, 0], ids=["follower_host", "leader_host"])
 def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare(
-    cluster, tmp_path):
+    cluster, tmp_path, lost_process):
   """Two learners of two processes each, every process on a host of its own (a placement group
-  spread over distinct learner hosts). The host of learner 1's second process is removed: its
-  leader's next collective fails, the command ends the learner's other process, Ray places the
-  lost bundle on the spare host, and learner 1 rejoins as a whole, from learner 0's state, while
-  learner 0 trains on."""
+  spread over distinct learner hosts). The host of one of learner 1's processes is removed (its
+  follower's: the leader's next collective fails; its leader's: the driver's watch of it fails),
+  the command ends the learner's other process (through that process's own call: it is on another
+  node), Ray places the lost bundle on the spare host, and learner 1 rejoins as a whole, from
+  learner 0's state, while learner 0 trains on."""
   for _ in range(5 - len(_hosts(LEARNER_HOST))):  # four processes and a spare
     cluster.add_node(**_node_args(LEARNER_HOST))
   cluster.wait_for_nodes()
@@ -193,14 +185,15 @@ def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare
 
   def remove():
     lost["step0"] = run.learners[0].step
-    _remove_host(cluster, first[1][1])
+    _remove_host(cluster, first[1][lost_process])
 
-  remover = _when(run, lambda: run.learners[1].step >= 4, remove)
+  remover = act_when(lambda: run.learners[1].step >= 4, remove)
   summary = train.execute(run, progress=False)
   remover.join()
   assert lost and lost["step0"] < 40
   assert run.learners[0].nodes == first[0] and run.learners[0].incarnation == 0
-  assert first[1][1] not in run.learners[1].nodes and run.learners[1].incarnation == 1
+  assert first[1][lost_process] not in run.learners[1].nodes
+  assert run.learners[1].incarnation == 1
   assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [48, 48]
   [failure] = summary["failures"]
   assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
@@ -264,15 +257,30 @@ def test_the_command_killed_mid_run_leaves_no_actor_and_the_same_command_resumes
 
 @pytest.mark.slow  # the removal test above loses a learner's host in the default suite
 def test_node_losses_from_the_chaos_schedule_take_a_learner_s_and_the_syncer_s_hosts_down(
-    cluster, tmp_path):
-  """config.chaos's node_loss: the command takes learner 1's Ray node down at its step 4 (its
-  raylet killed from a task pinned there: the object store and every process on the node go with
-  it), and the syncer's at 6 s. Both come back on the spare hosts, as after a host lost for real."""
-  run = train.build(_settings(cluster, tmp_path, num_steps=48, checkpoint__every_steps=8,
+    cluster, tmp_path, monkeypatch):
+  """config.chaos's node_loss: the command has learner 1's process take its Ray node down at its
+  step 4 (the raylet, the object store and every process on the node go), and the syncer's at
+  6 s. Both come back on the spare hosts, as after a host lost for real. Learner 0's process is
+  then crashed at its step 40: on another node than the command's, so by its own SIGKILL, never by
+  a pid the command signals (a pid names another process, or none, on another machine)."""
+  run = train.build(_settings(cluster, tmp_path, num_steps=64, checkpoint__every_steps=8,
                               chaos__schedule="node_loss@learner=1,step=4;"
-                                              "node_loss@syncer,second=6"))
+                                              "node_loss@syncer,second=6;"
+                                              "crash@learner=0,step=40,down_s=0"))
   first_learner, first_syncer = run.learners[1].nodes[0], run.syncer.node
+  crashed_pid = run.learners[0].pid
+  assert run.learners[0].nodes[0] != ray.get_runtime_context().get_node_id()
+  signalled = []
+  real_kill = os.kill
+
+  def recording_kill(pid, sig):
+    signalled.append(pid)
+    real_kill(pid, sig)
+
+  monkeypatch.setattr(os, "kill", recording_kill)
   summary = train.execute(run, progress=False)
+  monkeypatch.undo()
+  assert crashed_pid not in signalled and run.learners[0].incarnation == 1
   alive = _hosts(LEARNER_HOST) | _hosts(SYNCER_HOST)
   assert first_learner not in alive and first_syncer not in alive  # both nodes are dead
   assert run.learners[1].nodes[0] in _hosts(LEARNER_HOST) and run.learners[1].incarnation == 1
@@ -280,9 +288,10 @@ def test_node_losses_from_the_chaos_schedule_take_a_learner_s_and_the_syncer_s_h
   by_target = {f["learner"]: f for f in summary["faults"]}
   assert by_target[1]["fault"] == by_target[None]["fault"] == "node_loss"
   assert by_target[1]["step"] == 4 and by_target[None]["at_s"] >= 6
-  assert summary["rejoins"] == 1 and summary["syncer_restarts"] == 1
-  [failure] = summary["failures"]
-  assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
-  assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [48, 48]
+  assert by_target[0]["fault"] == "crash" and by_target[0]["step"] == 40
+  assert summary["rejoins"] == 2 and summary["syncer_restarts"] == 1
+  # (Learner 1 rejoins from learner 0's state, or from Theta alone if learner 0 is down by then.)
+  assert sorted(f["learner"] for f in summary["failures"]) == [0, 1]
+  assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [64, 64]
   assert summary["double_merged_offers"] == 0
   _accounting_closes(summary)

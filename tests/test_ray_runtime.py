@@ -17,6 +17,7 @@ from decoupled_diloco.runtime.transport import ray_plumbing
 from decoupled_diloco.runtime.transport import ray_runtime
 from decoupled_diloco.runtime.transport import ray_syncer
 from decoupled_diloco.runtime import train
+from tests.conftest import act_when
 from tests.conftest import tiny_settings
 
 ray = pytest.importorskip("ray")
@@ -43,22 +44,6 @@ def local_ray(tmp_path_factory):
   ray.shutdown()
 
 
-def _kill_once(run, learner: int, at_step: int, kill) -> threading.Thread:
-  """A started thread that calls kill() once `learner` has made `at_step` steps (within 120 s)."""
-
-  def wait_then_kill():
-    deadline = time.monotonic() + 120
-    while run.learners[learner].step < at_step:
-      if time.monotonic() > deadline:
-        return
-      time.sleep(0.01)
-    kill()
-
-  killer = threading.Thread(target=wait_then_kill, daemon=True)
-  killer.start()
-  return killer
-
-
 def _settings(tmp_path, **overrides):
   fields = dict(runtime="ray", num_learners=2, num_steps=32, checkpoint__every_steps=0,
                 learner_mesh_shapes=((1, 1),), compilation_cache_dir=_CACHE["dir"])
@@ -81,11 +66,11 @@ def test_learner_processes_train_and_merge(tmp_path):
   assert summary["final_eval_loss"] < 5.0  # bytes start at ln(256) = 5.55 nats
 
 
+@pytest.mark.slow  # tests/test_ray_cluster.py loses a learner's host and kills the syncer by hand
 def test_a_learner_and_the_syncer_killed_by_hand_are_restarted_and_training_goes_on(tmp_path):
   """kill -9 of learner 1's process and of the syncer's, at once, mid-run: learner 0 trains on,
   Ray restarts both processes, learner 1 rejoins from learner 0's state, the syncer is restored,
-  and every step is made and accounted for. (The test below also has config.chaos kill them;
-  slow.)"""
+  and every step is made and accounted for. (The test below also has config.chaos kill them.)"""
   run = train.build(_settings(tmp_path, num_steps=48, max_restarts=1,
                               learner_step_delays_s=(0.4, 0.4)))
   first_pids = [l.pid for l in run.learners]
@@ -96,7 +81,7 @@ def test_a_learner_and_the_syncer_killed_by_hand_are_restarted_and_training_goes
     os.kill(run.learners[1].pid, signal.SIGKILL)
     os.kill(killed["syncer_pid"], signal.SIGKILL)
 
-  killer = _kill_once(run, 1, 4, kill_both)
+  killer = act_when(lambda: run.learners[1].step >= 4, kill_both)
   summary = train.execute(run, progress=False)
   killer.join()
   assert killed and killed["step"] < 40  # learner 0 had most of its steps ahead of it
@@ -118,7 +103,7 @@ def test_a_learner_and_the_syncer_killed_by_hand_are_restarted_and_training_goes
       "merged", "discarded", "lost_at_failures", "unmerged_at_end")), accounting
 
 
-@pytest.mark.slow  # the test above kills a learner and the syncer by hand in the default suite
+@pytest.mark.slow  # tests/test_ray_cluster.py kills a learner and the syncer in the default suite
 def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_on(tmp_path):
   """config.chaos crashes learner 0 at step 8 and the syncer at 5 s (SIGKILLs of their
   processes); once learner 0 is back, learner 1's process is killed by hand (kill -9), and once
@@ -249,7 +234,7 @@ def test_a_killed_process_of_a_multi_process_learner_takes_its_learner_down_and_
     killed["step"] = run.learners[0].step
     os.kill(first_pids[1][1], signal.SIGKILL)
 
-  killer = _kill_once(run, 1, 4, kill_one)
+  killer = act_when(lambda: run.learners[1].step >= 4, kill_one)
   summary = train.execute(run, progress=False)
   killer.join()
   assert killed and killed["step"] < 40

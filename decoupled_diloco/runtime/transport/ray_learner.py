@@ -17,8 +17,6 @@ and the learner rejoins as a whole in fresh processes (a new jax.distributed job
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import threading
 import time
 from typing import Any
@@ -301,12 +299,9 @@ class RemoteLearner:
 
   def kill(self) -> None:
     """SIGKILL to the learner's process (all of them), as a user's `kill -9` or the OOM killer
-    would."""
-    for pid in self.pids:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass  # gone already
+    would: through the process itself where it runs on another node (`ray_plumbing.kill_process`)."""
+    for actor, node, pid in zip(self._actors, self.nodes, self.pids):
+      plumbing.kill_process(node, pid, lambda a=actor: a.die.remote(*self._signed("die")))
 
   def lose_host(self) -> None:
     """Its leader's host lost with every process on it (config.chaos's node_loss): the Ray node

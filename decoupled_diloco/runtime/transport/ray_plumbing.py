@@ -166,6 +166,27 @@ def take_down_this_node() -> None:
   os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_process(node_id: str, pid: int, die: Callable[[], Any]) -> None:
+  """SIGKILL to a learner's or the syncer's process, as a `kill -9` or the OOM killer would: from
+  here (`os.kill` of its pid) where it runs on the command's own node, else by its own `die` call
+  (fire-and-forget): on another machine its pid names some other process, or none."""
+  import ray  # pylint: disable=g-import-not-at-top
+  if node_id != ray.get_runtime_context().get_node_id():
+    die()
+    return
+  import signal  # pylint: disable=g-import-not-at-top
+  try:
+    os.kill(pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass  # gone already
+
+
+def die_here() -> None:
+  """In a learner's or the syncer's process: SIGKILL to itself (`kill_process` on another node)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
 def lose_node(node_id: str, take_down: Callable[[], Any], fallback: Callable[[], None]) -> None:
   """Has the process on node `node_id` take its node down (`take_down`: a fire-and-forget call of
   its `lose_host`), or calls `fallback` (a process kill) where that node is the command's own:

@@ -318,6 +318,16 @@ class LearnerProcess:
     self._check(mac, "lose_host", incarnation)
     plumbing.take_down_this_node()
 
+  def die(self, incarnation: int, mac: str) -> bool:
+    """SIGKILL to this process (RemoteLearner.kill, where the process is on another node than the
+    command's). False, and it lives: the call was for another incarnation, or not the driver's."""
+    try:
+      self._check(mac, "die", incarnation)
+    except plumbing.RejectedCall:
+      return False  # said by _check's warning; a fire-and-forget call has no reader for it
+    plumbing.die_here()
+    return True
+
   def start(self, incarnation: int, mac: str) -> None:
     self._check(mac, "start", incarnation)
     if not self._started:

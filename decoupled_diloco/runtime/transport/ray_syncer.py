@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import signal
 import threading
 from typing import Any
 
@@ -140,6 +139,10 @@ class SyncerProcess:
   def lose_host(self) -> None:
     """config.chaos's node_loss@syncer: this host goes, with every process on it."""
     plumbing.take_down_this_node()
+
+  def die(self) -> None:
+    """SIGKILL to this process (RemoteSyncer.kill, where it is on another node than the command)."""
+    plumbing.die_here()
 
   def compile_seconds(self) -> float:
     return self.syncer.compile_seconds
@@ -358,13 +361,13 @@ class RemoteSyncer:
   def kill(self) -> None:
     """SIGKILL to the syncer's process (config.chaos's syncer_crash under runtime=ray)."""
     self._stopped.set()
-    os.kill(self.pid, signal.SIGKILL)
+    plumbing.kill_process(self.node, self.pid, self._actor.die.remote)
 
   def lose_host(self) -> None:
     """Its host lost with every process on it (config.chaos's node_loss@syncer)."""
     self._stopped.set()
     plumbing.lose_node(self.node, self._actor.lose_host.remote,
-                       fallback=lambda: os.kill(self.pid, signal.SIGKILL))
+                       fallback=lambda: plumbing.kill_process(self.node, self.pid, lambda: None))
 
   def end(self) -> None:
     import ray  # pylint: disable=g-import-not-at-top
