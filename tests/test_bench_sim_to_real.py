@@ -6,6 +6,7 @@ import math
 import pytest
 
 from decoupled_diloco.sim.cluster import SECONDS_PER_YEAR
+from decoupled_diloco.sim.goodput import DecoupledOptions
 from tests.conftest import load_script
 
 bench = load_script("bench_sim_to_real")
@@ -54,31 +55,76 @@ def test_a_learner_mtbf_maps_to_a_one_chip_slice_with_that_mtbi():
   assert never.mtbi_years * SECONDS_PER_YEAR > 1e20  # mtbf_s=0: no random crashes
 
 
-def test_the_replay_with_the_unmerged_term_gives_the_hand_computed_goodput():
-  # Learner 0: runs 0-5 s, crash (no step in flight: 5 s is a step boundary), down 5-8, restarts
-  # 8-9, runs 9-20: 16 s; the term takes 2 s of it. Learner 1: 20 s. (16 - 2 + 20) / 40 = 0.85.
+def _options(period_steps=0, receive_lag_steps=0.0):
+  return DecoupledOptions(sync_period_steps=period_steps, receive_lag_steps=receive_lag_steps)
+
+
+def test_the_replay_loses_n_minus_n2_over_2h_at_a_crash_before_h_steps():
+  # Learner 0 runs 0-5 s, crashes on a step boundary (nothing in flight) n = 5 steps in, is down
+  # 5-8 s, restarts 8-9 s and runs 9-20 s: 16 s. With H = 10 the crash loses 5 - 25/20 = 3.75
+  # steps. Learner 1 runs 20 s. (16 - 3.75 + 20) / 40.
   m = bench.measure(_summary())
   params = bench.cluster_params(m, mtbf_s=30.0, repair_s=3.0, repair_shape=0.85)
-  assert bench.simulate_replay(m, params, unmerged_lost_steps=0.0) == pytest.approx(36 / 40)
-  assert bench.simulate_replay(m, params, unmerged_lost_steps=2.0) == pytest.approx(34 / 40)
+  assert bench.simulate_replay(m, params, _options()).goodput == pytest.approx(36 / 40)
+  replay = bench.simulate_replay(m, params, _options(period_steps=10))
+  assert replay.goodput == pytest.approx((16 - 3.75 + 20) / 40)
+  assert (replay.lost_steps, replay.crashes) == (pytest.approx(3.75), 1)
+
+
+def test_the_replay_loses_h_over_2_at_a_crash_after_h_steps():
+  m = bench.measure(_summary())
+  params = bench.cluster_params(m, mtbf_s=30.0, repair_s=3.0, repair_shape=0.85)
+  replay = bench.simulate_replay(m, params, _options(period_steps=4))  # n = 5 >= H = 4: 2 steps
+  assert replay.goodput == pytest.approx((16 - 2 + 20) / 40)
+
+
+def test_the_full_model_drops_d_of_every_h_steps_of_what_the_crash_left():
+  # H = 10, d = 1: a tenth of every running second goes, of learner 0's 16 - 3.75 s and learner
+  # 1's 20 s alike.
+  m = bench.measure(_summary())
+  params = bench.cluster_params(m, mtbf_s=30.0, repair_s=3.0, repair_shape=0.85)
+  replay = bench.simulate_replay(m, params, _options(period_steps=10, receive_lag_steps=1.0))
+  assert replay.goodput == pytest.approx(0.9 * (16 - 3.75 + 20) / 40)
+
+
+def test_the_receive_lag_is_h_times_the_discarded_share_of_compute_on_the_fault_free_run():
+  fault_free = {**_summary(), "failures": [],
+                "time_buckets": {"0": _buckets(useful=17.0, discarded=2.0, lost=1.0, idle=1.0),
+                                 "1": _buckets(useful=18.0, discarded=2.0, idle=1.0)}}
+  runs = [(30.0, bench.measure(_summary())), (0.0, bench.measure(fault_free))]
+  mtbf, base = bench.calibration_run(runs)
+  assert mtbf == 0.0
+  # 4 s discarded of 40 s of compute (the idle 2 s left out): d = 24 × 4 / 40.
+  assert bench.calibrate_receive_lag(base, 24) == pytest.approx(2.4)
+
+
+def test_without_a_fault_free_run_the_run_with_the_fewest_crashes_calibrates():
+  twice = {**_summary(), "failures": _summary()["failures"] * 2}
+  runs = [(10.0, bench.measure(twice)), (30.0, bench.measure(_summary()))]
+  assert bench.calibration_run(runs)[0] == 30.0
 
 
 def test_the_simulators_own_draws_without_crashes_give_full_goodput():
   m = bench.measure(_summary())
   params = bench.cluster_params(m, mtbf_s=0.0, repair_s=3.0, repair_shape=0.85)
-  mean, std = bench.simulate_drawn(m, params, unmerged_lost_steps=2.0, seeds=3)
-  assert (mean, std) == (pytest.approx(1.0), pytest.approx(0.0))
+  mean, std, crashes = bench.simulate_drawn(m, params, _options(period_steps=24), seeds=3)
+  assert (mean, std, crashes) == (pytest.approx(1.0), pytest.approx(0.0), 0.0)
 
 
-def test_the_table_gives_percent_and_signed_points_per_rate():
+def test_the_table_adds_one_term_at_a_time_in_percent_and_signed_points():
+  # H = 4, d = 0.4: the crash loses H/2 = 2 steps, as the runtime measured, and the overwrite a
+  # tenth of the rest. No idle time: the residual is all of full model - runtime.
   m = bench.measure(_summary())
-  r = bench.row(30.0, m, repair_s=3.0, repair_shape=0.85, sim_seeds=2)
-  assert r["diff_before_pts"] == pytest.approx(100 * (0.9 - 0.8))
-  assert r["diff_after_pts"] == pytest.approx(100 * (0.85 - 0.8))
+  r = bench.row(30.0, m, period_steps=4, receive_lag_steps=0.4, repair_s=3.0,
+                repair_shape=0.85, sim_seeds=2)
+  assert r["diff_paper_pts"] == pytest.approx(100 * (0.9 - 0.8))
+  assert r["diff_unmerged_pts"] == pytest.approx(100 * (0.85 - 0.8))
+  assert r["sim_full"] == pytest.approx(0.9 * 34 / 40)
+  assert r["residual_pts"] == pytest.approx(100 * (0.765 - 0.8))
   text = bench.table([r])
   assert text.splitlines()[0].startswith("| MTBF s | crashes |")
-  assert "| 30 | 1 | 1.000 | 1.00 | 2.0 | 80.0 | 90.0 | +10.0 | 85.0 | +5.0 |" in text
-  assert text.endswith("| 0.0 | 0.0 | +5.0 |")  # no discarded or idle time: all 5 points left
+  assert "| 30 | 1 | 1.000 | 1.00 | 2.0 | 2.0 | 80.0 | 90.0 | 85.0 | 76.5 |" in text
+  assert text.endswith("| 0.0 | -3.5 |")
 
 
 def test_the_full_bench_estimate_scales_training_by_steps_and_keeps_the_overhead():
@@ -92,4 +138,5 @@ def test_overrides_give_every_learner_the_step_delay_and_no_checkpoints():
   cfg = bench.overrides(17.0, 200, 0.25, 3.0, 0.85, 0)
   assert cfg["learner_step_delays_s"] == (0.25,) * bench.NUM_LEARNERS
   assert cfg["chaos.mtbf_s"] == 17.0 and cfg["checkpoint.every_steps"] == 0
+  assert cfg["sync.period"] == bench.SYNC_PERIOD == 24
   assert not math.isnan(cfg["chaos.repair_s"])

@@ -10,7 +10,7 @@ import pytest
 from decoupled_diloco.sim import accounting, goodput
 from decoupled_diloco.sim.cluster import ClusterParams, slice_unavailability
 from decoupled_diloco.sim.dp_job import simulate_dp_job
-from decoupled_diloco.sim.elastic_job import simulate_elastic_job
+from decoupled_diloco.sim.elastic_job import simulate_elastic_job, unmerged_lost_s
 
 PARAMS = ClusterParams()
 # Every duration exactly its mean, so one failure has an exact, hand-computable cost.
@@ -152,23 +152,51 @@ def test_a_rejoin_discount_moves_stale_steps_to_badput():
 ONE_CHIP = dataclasses.replace(FIXED, slice_chips=1, step_s=1.0, reconfig_s=2.0)
 
 
-def test_a_crash_loses_the_unmerged_steps_before_the_one_in_flight():
-  # Runs 0-5.5 s, fails at 5.5 s (0.5 s into a step; 2 s of steps before it unmerged, lost too),
-  # repaired 3 s later at 8.5 s, restarts for 2 s and runs 10.5-20 s.
+def test_the_unmerged_loss_grows_as_n_minus_n2_over_2h_then_stays_at_h_over_2():
+  # E[min(n, U·H)], U uniform: every fragment's progress since its last take-in, averaged.
+  assert unmerged_lost_s(0.0, 24.0) == 0.0
+  assert unmerged_lost_s(6.0, 24.0) == pytest.approx(6.0 - 36.0 / 48.0)
+  assert unmerged_lost_s(24.0, 24.0) == pytest.approx(12.0)
+  assert unmerged_lost_s(100.0, 24.0) == pytest.approx(12.0)
+  assert unmerged_lost_s(100.0, 0.0) == 0.0  # off: the paper's model
+
+
+def test_a_crash_before_h_steps_loses_n_minus_n2_over_2h_besides_the_step_in_flight():
+  # H = 10 s. Runs 0-5.5 s, fails 0.5 s into a step with n = 5 s run before it: loses
+  # 0.5 + 5 - 25/20 = 4.25 s. Repaired 3 s later at 8.5 s, restarts for 2 s and runs 10.5-20 s.
   trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[5.5],
-                               repair_durations_s=[3.0], failure_lost_s=2.0)
-  assert trace.useful == pytest.approx(3.0 + 9.5)
-  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(0.5 + 2.0)
+                               repair_durations_s=[3.0], unmerged_period_s=10.0)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(0.5 + 3.75)
+  assert trace.useful == pytest.approx(5.5 - 4.25 + 9.5)
   assert trace.badput[accounting.IDLE_DOWN] == pytest.approx(3.0 + 2.0)
   _assert_chip_time_adds_up(trace)
 
 
-def test_a_crash_loses_no_more_than_the_learner_ran_since_its_restart():
-  # The second crash at 14.5 s comes 2 s after the restart ended at 12.5 s: it loses 2 s, not 5.
-  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[7.5, 14.5],
-                               repair_durations_s=[3.0, 1.0], failure_lost_s=5.0)
-  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(5.5 + 2.0)
-  assert trace.useful == pytest.approx(2.0 + 0.0 + 2.5)
+def test_a_crash_after_h_steps_loses_h_over_2_and_the_clock_restarts_at_the_restart():
+  # H = 4 s. The crash at 12.5 s (n = 12 s >= H) loses 0.5 + 2; repaired at 13.5 s, restarted at
+  # 15.5 s; the crash at 17.25 s (n = 1 s since the restart) loses 0.75 + 1 - 1/8.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[12.5, 17.25],
+                               repair_durations_s=[1.0, 1.0], unmerged_period_s=4.0)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(2.5 + 1.625)
+  assert trace.useful == pytest.approx((12.5 - 2.5) + (1.75 - 1.625))
+  _assert_chip_time_adds_up(trace)
+
+
+def test_the_discard_share_drops_that_share_of_every_running_second():
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), discard_share=0.25)
+  assert trace.useful == pytest.approx(15.0)
+  assert trace.badput[accounting.DISCARDED] == pytest.approx(5.0)
+  _assert_chip_time_adds_up(trace)
+
+
+def test_work_lost_at_a_crash_comes_out_of_useful_and_discarded_in_proportion():
+  # As the n < H case: 15 s of running, 4.25 s of it lost, a quarter of each discarded.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[5.5],
+                               repair_durations_s=[3.0], unmerged_period_s=10.0,
+                               discard_share=0.25)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(4.25)
+  assert trace.useful == pytest.approx(0.75 * (15.0 - 4.25))
+  assert trace.badput[accounting.DISCARDED] == pytest.approx(0.25 * (15.0 - 4.25))
   _assert_chip_time_adds_up(trace)
 
 
@@ -178,13 +206,26 @@ def test_scripted_repairs_need_one_per_failure():
                          repair_durations_s=[1.0, 2.0])
 
 
-def test_unmerged_lost_steps_lower_decoupled_goodput_by_the_lost_work():
-  plain = goodput.simulate_system("decoupled", 300_000, PARAMS, num_learners=4, horizon_days=0.5)
-  options = goodput.DecoupledOptions(unmerged_lost_steps=14)
-  lossy = goodput.simulate_system("decoupled", 300_000, PARAMS, num_learners=4, horizon_days=0.5,
-                                  decoupled=options)
-  assert lossy.badput[accounting.LOST_PROGRESS] > plain.badput[accounting.LOST_PROGRESS]
-  assert lossy.goodput < plain.goodput
+def test_the_unmerged_and_discard_options_lower_decoupled_goodput():
+  run = lambda options: goodput.simulate_system("decoupled", 300_000, PARAMS, num_learners=4,
+                                                horizon_days=0.5, decoupled=options)
+  plain = run(goodput.DecoupledOptions())
+  unmerged = run(goodput.DecoupledOptions(sync_period_steps=24))
+  full = run(goodput.DecoupledOptions(sync_period_steps=24, receive_lag_steps=2.0))
+  assert unmerged.badput[accounting.LOST_PROGRESS] > plain.badput[accounting.LOST_PROGRESS]
+  assert plain.badput[accounting.DISCARDED] == unmerged.badput[accounting.DISCARDED] == 0.0
+  assert full.badput[accounting.DISCARDED] > 0.0
+  assert full.goodput < unmerged.goodput < plain.goodput
+  # The same failures (same seed): the discard only splits what was useful.
+  assert full.goodput + full.badput[accounting.DISCARDED] == pytest.approx(
+      unmerged.goodput, abs=1e-9)
+
+
+def test_a_receive_lag_needs_a_sync_period():
+  with pytest.raises(ValueError, match="receive_lag_steps.*sync_period_steps"):
+    goodput.DecoupledOptions(receive_lag_steps=2.0)
+  with pytest.raises(ValueError, match="receive_lag_steps"):
+    goodput.DecoupledOptions(sync_period_steps=24, receive_lag_steps=30.0)
 
 
 # ---- agreement with the closed forms ------------------------------------------------------------

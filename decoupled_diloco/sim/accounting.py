@@ -16,8 +16,9 @@ RECONFIGURATION = "reconfiguration"  # an elastic job paused to shrink or re-gro
 LOST_PROGRESS = "lost_progress"  # work since the last checkpoint (the step in flight), lost
 IDLE_DOWN = "idle_down"  # chips of slices under repair (or repaired and about to rejoin)
 STALE = "stale"  # discounted share of a rejoining learner's first (stale) steps, decoupled only
+DISCARDED = "discarded"  # a learner's progress the overwrite on receive dropped, decoupled only
 
-BUCKETS = (RESTART, RECONFIGURATION, LOST_PROGRESS, IDLE_DOWN, STALE)
+BUCKETS = (RESTART, RECONFIGURATION, LOST_PROGRESS, IDLE_DOWN, STALE, DISCARDED)
 
 # The ml-goodput-measurement BadputType(s) each bucket would be reported under.
 ML_GOODPUT_BADPUT_TYPES = {
@@ -27,6 +28,7 @@ ML_GOODPUT_BADPUT_TYPES = {
     LOST_PROGRESS: ("WASTED_PROGRESS_FROM_DISRUPTION",),
     IDLE_DOWN: ("INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",),
     STALE: ("OTHER",),
+    DISCARDED: ("OTHER",),
 }
 
 

@@ -11,6 +11,12 @@ Mechanics (the `elastic_dp` system, and each learner of `decoupled`):
     re-configuration aborts it: a new one, of fresh random length, starts then.
   * While running, every chip of the mesh trains usefully; chips of slices under repair are idle.
 
+Two terms of a decoupled learner, both off by default (the paper's model):
+  * `unmerged_period_s` = H·step_s: a crash also loses, for every fragment, the steps made since the
+    syncer last took that fragment in, or since the learner's restart if later (`unmerged_lost_s`).
+  * `discard_share` = d/H: the overwrite on receive drops d steps of a fragment's progress at each of
+    its merges, one every H steps, so that share of every running second's work (DISCARDED).
+
 For λ = N / MTBI failures per second and pauses of mean r, each failure costs about two pauses
 (shrink, re-grow), step_s/2 of lost work, and its slice's chips for a repair, so to first order
     goodput ≈ (1 − q) · (1 − λ·step_s/2) / (1 + 2·λ·r),
@@ -29,6 +35,25 @@ from decoupled_diloco.sim import accounting
 from decoupled_diloco.sim.cluster import ClusterParams, RandomStream, num_slices
 
 
+def unmerged_lost_s(ran_s: float, period_s: float) -> float:
+  """Expected work a crashed decoupled learner loses besides the step in flight, `ran_s` after its
+  restart (or the run's start), when the syncer takes each fragment in every `period_s`.
+
+  A fragment's progress since its last take-in (or since the restart, if later) is lost with the
+  learner. Take-ins are staggered evenly over the period, so the time since fragment p's last one is
+  U·H with U ~ Uniform[0, 1), and averaged over fragments the loss is
+      E[min(n, U·H)] = n − n²/(2H) for n < H,   H/2 for n ≥ H,
+  n = `ran_s`, H = `period_s`. A continuous approximation: take-ins fall on step boundaries at P
+  discrete phases, and a merge lands a few steps after its take-in (that lag is the overwrite's
+  discard, `discard_share`). `period_s` = 0: nothing (the paper's model).
+  """
+  if period_s <= 0.0 or ran_s <= 0.0:
+    return 0.0
+  if ran_s >= period_s:
+    return period_s / 2.0
+  return ran_s - ran_s * ran_s / (2.0 * period_s)
+
+
 def simulate_elastic_job(
     num_chips: float,
     params: ClusterParams,
@@ -40,7 +65,8 @@ def simulate_elastic_job(
     rejoin_discount: float = 0.0,
     failure_times_s: Optional[Sequence[float]] = None,
     repair_durations_s: Optional[Sequence[float]] = None,
-    failure_lost_s: float = 0.0,
+    unmerged_period_s: float = 0.0,
+    discard_share: float = 0.0,
 ) -> accounting.JobTrace:
   """Simulates one elastic job of `num_chips` chips over [0, horizon_s) after a warm-up.
 
@@ -57,9 +83,12 @@ def simulate_elastic_job(
       slice of the mesh fails (tests of one failure's cost). No warm-up is simulated then.
     repair_durations_s: with `failure_times_s`, the repair time of each scripted failure, in the
       same order (a fault schedule a real run drew, replayed); None = drawn as usual.
-    failure_lost_s: seconds of steps lost at each failure besides the step in flight, at most what
-      the job ran since its last pause (decoupled learners: the progress no merge had taken in yet,
-      which a crashed learner's fragments held; 0 = only the step in flight, a DP snapshot per step).
+    unmerged_period_s: seconds between two take-ins of one fragment by the syncer (H·step_s). A
+      failure then also loses `unmerged_lost_s` of the steps run since the last pause before the
+      step in flight (decoupled learners: the progress no merge had taken in yet). 0 = only the
+      step in flight, a DP snapshot per step.
+    discard_share: share of every running second's work that the overwrite on receive drops
+      (decoupled learners: d/H, d steps of a fragment's progress dropped at each of its merges).
 
   Returns:
     The job's trace: useful chip-seconds, badput buckets, pause intervals.
@@ -68,8 +97,10 @@ def simulate_elastic_job(
     raise ValueError(f"horizon_s={horizon_s} must be > 0")
   if not 0.0 <= rejoin_discount <= 1.0:
     raise ValueError(f"rejoin_discount={rejoin_discount} must be in [0, 1]")
-  if not failure_lost_s >= 0.0:
-    raise ValueError(f"failure_lost_s={failure_lost_s} must be >= 0")
+  if not unmerged_period_s >= 0.0:
+    raise ValueError(f"unmerged_period_s={unmerged_period_s} must be >= 0")
+  if not 0.0 <= discard_share <= 1.0:
+    raise ValueError(f"discard_share={discard_share} must be in [0, 1]")
   if repair_durations_s is not None and (
       failure_times_s is None or len(repair_durations_s) != len(failure_times_s)):
     raise ValueError("repair_durations_s needs failure_times_s of the same length, one repair per "
@@ -95,7 +126,8 @@ def simulate_elastic_job(
   paused, pause_start, pause_end = False, 0.0, inf
   run_since = t  # steps run back to back from here
   stale_until = -inf
-  useful = reconfig = idle = stale = lost = 0.0  # chip-seconds from t = 0 on
+  kept = 1.0 - discard_share  # of a running chip-second's work, what no overwrite drops
+  useful = reconfig = idle = stale = lost = discarded = 0.0  # chip-seconds from t = 0 on
   pauses, num_failures = [], 0
 
   while True:
@@ -115,8 +147,10 @@ def simulate_elastic_job(
       if paused:
         reconfig += mesh_time
       else:
+        discarded += mesh_time * discard_share
+        mesh_time *= kept
         if stale_until > a and rejoin_discount:
-          discounted = in_mesh * chips * (min(t_next, stale_until) - a) * rejoin_discount
+          discounted = in_mesh * chips * (min(t_next, stale_until) - a) * kept * rejoin_discount
           stale += discounted
           mesh_time -= discounted
         useful += mesh_time
@@ -149,14 +183,16 @@ def simulate_elastic_job(
         if t > 0.0:
           num_failures += 1
           if not paused:
-            # The step in flight (and failure_lost_s of steps before it) was counted as useful
-            # (or stale) so far: move it to lost.
+            # The step in flight (and the unmerged steps before it) was counted as useful, stale
+            # or discarded so far, in the shares every running second is split into: move it to
+            # lost.
             ran = min(t - run_since, t)
             in_flight = min((t - run_since) % step_s, t) if step_s > 0.0 else 0.0
-            gone = in_flight + min(failure_lost_s, ran - in_flight)
+            gone = in_flight + unmerged_lost_s(ran - in_flight, unmerged_period_s)
             stale_part = max(0.0, min(t, stale_until) - (t - gone)) * rejoin_discount
-            useful -= in_mesh * chips * (gone - stale_part)
-            stale -= in_mesh * chips * stale_part
+            useful -= in_mesh * chips * kept * (gone - stale_part)
+            stale -= in_mesh * chips * kept * stale_part
+            discarded -= in_mesh * chips * discard_share * gone
             lost += in_mesh * chips * gone
         in_mesh -= 1
       else:
@@ -175,6 +211,7 @@ def simulate_elastic_job(
   badput[accounting.LOST_PROGRESS] = lost
   badput[accounting.IDLE_DOWN] = idle
   badput[accounting.STALE] = stale
+  badput[accounting.DISCARDED] = discarded
   return accounting.JobTrace(
       num_chips=num_chips,
       horizon_s=horizon_s,

@@ -7,7 +7,9 @@ Each system is simulated from its own mechanics, never derived from another syst
     a re-configuration, then training goes on with one slice fewer.
   * `decoupled`: M learners of N/M chips, each an elastic job with its own failures; a failure costs
     only its learner. The syncer never stops while one learner runs, so the system is up unless all
-    M learners are paused at once. Rejoining learners may have their first steps discounted.
+    M learners are paused at once. Options, all off by default (`DecoupledOptions`): a rejoining
+    learner's first steps discounted, a crash losing the progress no merge had taken in, the
+    overwrite on receive dropping a share of every step.
 
 goodput = Σ useful chip-s / (N × horizon); uptime = share of time the system as a whole advances.
 The rule of thumb of the paper (M learners at N chips ≈ one elastic learner at N/M chips) is not
@@ -37,12 +39,36 @@ class DecoupledOptions:
   # Share of those steps' work that does not count. 0: none (the paper's token weights already give
   # such steps a small say in the merge, docs/design.md §6).
   rejoin_discount: float = 0.0
-  # Steps of work a crashed learner loses besides the step in flight: what its fragments had made
-  # that no merge had taken in yet. Fragment p is taken in every H steps, staggered, and an offer
-  # lands tau steps after it is made, so a learner holds on average about H/2 + tau steps of every
-  # fragment (scripts/bench_sim_to_real.py measures it). 0: only the step in flight, as the paper's
-  # model counts a failure.
-  unmerged_lost_steps: float = 0.0
+  # H, the steps between two take-ins of a fragment by the syncer (config.sync.period, 24), to
+  # model what a crashed learner loses besides the step in flight: for every fragment, the steps it
+  # made since the syncer last took that fragment in (or since the learner's restart), H/2 on
+  # average once it has run H steps (elastic_job.unmerged_lost_s; scripts/bench_sim_to_real.py
+  # checks it against the runtime). 0: only the step in flight, as the paper's model counts a
+  # failure.
+  sync_period_steps: int = 0
+  # d, the steps of a fragment's progress the overwrite on receive drops at each of its merges
+  # (config.merge.keep_in_flight_progress=False: what the learner made on that fragment while its
+  # merge was in flight), so a share d / H of every running second's work. Needs sync_period_steps.
+  # 0: nothing dropped.
+  receive_lag_steps: float = 0.0
+
+  def __post_init__(self):
+    if self.sync_period_steps < 0:
+      raise ValueError(f"DecoupledOptions.sync_period_steps={self.sync_period_steps} must be >= 0")
+    if self.receive_lag_steps and not self.sync_period_steps:
+      raise ValueError(f"DecoupledOptions.receive_lag_steps={self.receive_lag_steps} needs "
+                       "sync_period_steps > 0: the share of work it drops is d / H")
+    if not 0.0 <= self.receive_lag_steps <= self.sync_period_steps:
+      raise ValueError(f"DecoupledOptions.receive_lag_steps={self.receive_lag_steps} must be "
+                       f"between 0 and sync_period_steps={self.sync_period_steps}")
+
+  def learner_terms(self, step_s: float) -> dict:
+    """The decoupled terms of one learner's `simulate_elastic_job`, for steps of `step_s`."""
+    return {"rejoin_stale_s": self.rejoin_stale_steps * step_s,
+            "rejoin_discount": self.rejoin_discount,
+            "unmerged_period_s": self.sync_period_steps * step_s,
+            "discard_share": (self.receive_lag_steps / self.sync_period_steps
+                              if self.sync_period_steps else 0.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +135,7 @@ def simulate_system(
     traces = [
         simulate_elastic_job(num_chips / num_learners, params, horizon_s,
                              np.random.default_rng(child), warmup_s=warmup_s,
-                             rejoin_stale_s=decoupled.rejoin_stale_steps * params.step_s,
-                             rejoin_discount=decoupled.rejoin_discount,
-                             failure_lost_s=decoupled.unmerged_lost_steps * params.step_s)
+                             **decoupled.learner_terms(params.step_s))
         for child in root.spawn(num_learners)
     ]
   return SystemResult(
