@@ -882,6 +882,12 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   if model_cfg.attention == "cudnn" and devices.platform != "gpu":
     _fail("model.attention", model_cfg.attention,
           "needs config.devices.platform='gpu' (cuDNN flash attention has no CPU or TPU kernel)")
+  if model_cfg.attention == "cudnn" and devices.learners_sharing_devices > 1 and mode != "dp":
+    _fail("model.attention", model_cfg.attention,
+          f"cannot run with config.devices.learners_sharing_devices="
+          f"{devices.learners_sharing_devices}: learners sharing a GPU that each ran cuDNN "
+          "attention killed the process at its first evaluation (an H100, jax 0.11.2, with CUDA "
+          "graphs on and off); use 'xla' (dp mode, one job, may use 'cudnn')")
 
   seq_len = _check_int(config, "data.seq_len", 1)
   batch_size = _check_int(config, "data.batch_size", 1)

@@ -13,7 +13,12 @@ tokens: one job whose batch is the four learners' together.
 The model is a 124.1M-parameter byte-level decoder at sequence length 1024 (d = 768, 12 layers of
 12 heads x 64, GeGLU MLP 3456), bfloat16 activations and float32 weights as the other accelerator
 configs: per learner ~2.5 GB of state, publication and offers in flight, 10 GB for four, far inside
-an 80 GB GPU (the run checks it against the device's memory before placing anything). The bundled
+an 80 GB GPU (the run checks it against the device's memory before placing anything). dp's one
+job of batch 32 with XLA's attention needs 67.6 GB: on an 80 GB H100, of which JAX takes 75% by
+default (63.8 GB), `--config.mode=dp` is refused with those figures; `--config.model.attention=cudnn`
+(measured: 35.9 GB, 310k tokens/s) or XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 (not tried) runs it. The
+four learners stay on XLA's attention: with cuDNN's, learners sharing the GPU crashed the process
+(the run refuses that pairing). The bundled
 corpus (1.1 MB) is a few epochs at this size: point `--config.data.source` at shards of a real
 corpus (scripts/prepare_data.py) for a quality comparison beyond that.
 

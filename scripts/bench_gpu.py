@@ -55,6 +55,8 @@ def main() -> None:
                       help="bench_accelerator's --size (small: a dry run of this script on CPU)")
   parser.add_argument("--one_device_size", default=None,
                       help="bench_one_device's --size (default: gpu on a GPU; cpu for a dry run)")
+  parser.add_argument("--attention", default=None,
+                      help="bench_accelerator's --attention (config.model.attention: xla, cudnn)")
   parser.add_argument("--out_dir", default=str(ROOT / "results"))
   args = parser.parse_args()
   started = time.perf_counter()
@@ -66,6 +68,7 @@ def main() -> None:
   accelerator = os.path.join(args.out_dir, f"accelerator_gpu_{date}_{args.accelerator_size}")
   _run(["scripts/bench_accelerator.py", f"--size={args.accelerator_size}", f"--steps={args.accelerator_steps}",
         "--runs=dp,decoupled_identity,reference", f"--budget_s={args.budget_s * args.share:.0f}",
+        *([f"--attention={args.attention}"] if args.attention else []),
         f"--set=syncer.num_workers={workers}", f"--set=compilation_cache_dir={cache}",
         f"--out={accelerator}"], args.budget_s * args.share)
   left = args.budget_s - (time.perf_counter() - started)

@@ -139,6 +139,20 @@ def test_cudnn_attention_needs_gpu_devices():
   settings.validate(config)
 
 
+def test_cudnn_attention_is_refused_for_learners_sharing_a_gpu_but_not_for_dp():
+  """Learners sharing a GPU that each ran cuDNN attention crashed the process on an H100."""
+  config = tiny_cpu.get_config()
+  config.update_from_flattened_dict({
+      "model.dtype": "bfloat16", "model.attention": "cudnn", "devices.platform": "gpu",
+      "devices.num_fake_cpu_devices": 0, "num_learners": 4, "learner_mesh_shapes": ((1, 1),),
+      "devices.learners_sharing_devices": 4})
+  with pytest.raises(ValueError, match=r"config.model.attention='cudnn'.*"
+                                       r"learners_sharing_devices=4.*use 'xla'"):
+    settings.validate(config)
+  config.mode = "dp"  # one job on the device
+  settings.validate(config)
+
+
 def _assert_fails(field, value, needle):
   with pytest.raises(ValueError, match=None) as err:
     settings.validate(_config(**{field: value}))
