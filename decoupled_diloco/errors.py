@@ -123,6 +123,12 @@ def run_main(main: Callable[[list[str]], object], *, argv: list[str] | None = No
       if debugging():
         raise
       report(str(err), err.hint)
+    except ValueError as err:
+      # settings.validate's refusals (every one begins with the field: "config.x=... ") reach
+      # here from the scripts that validate a config themselves, not through main.py.
+      if debugging() or not str(err).startswith("config."):
+        raise
+      report(f"Invalid config: {err}")
     except KeyboardInterrupt:
       if debugging():
         raise

@@ -308,6 +308,9 @@ _PROCESS_ROWS = {
     "prepare_data: seq_len longer than the text": (
         (_PREPARE, "--input={inputs}/2_kb.txt", "--tokenizer=byte", "--seq_len=5000",
          "--out_dir={out}/shards"), "--seq_len=5000", None, ("shards",)),
+    "soak_chaos: a config the settings refuse (a script validating its own config)": (
+        ("scripts/soak_chaos.py", "--num_steps=6", "--out={out}/soak.json",
+         "--config.model.num_layers=1"), "config.sync.num_fragments=24", None, ("soak.json",)),
     "sample: no such workdir": (
         (_SAMPLE, "--workdir={out}/absent"), "--workdir=", None, ("absent",)),
     "sample: a workdir without checkpoints": (
