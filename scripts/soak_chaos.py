@@ -241,7 +241,8 @@ def main(argv):
           f"--{f.name}={f.value}" for f in (_NUM_STEPS, _MTBF_S, _REPAIR_S, _SYNCER_EVERY_S,
                                             _SYNCER_DOWN_S, _SEED) + (
                                                 (_RUNTIME, _NODE_LOSS, _SPARE_HOSTS)
-                                                if ray_mode else ())),
+                                                if ray_mode else ())) + "".join(
+          f" {arg}" for arg in sys.argv[1:] if arg.startswith("--config")),
       "faults": len(summary["faults"]), "faults_by_kind": kinds,
       "rejoins": summary["rejoins"], "syncer_restarts": summary["syncer_restarts"],
       "checkpoints_written": len(summary["checkpoints_written"]),
