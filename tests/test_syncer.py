@@ -911,6 +911,48 @@ def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_oth
       np.testing.assert_array_equal(link.anchors[name], value, err_msg=f"{link.index} {name}")
 
 
+def test_a_learner_whose_offer_names_the_base_version_gets_a_delta_before_its_report_says_so(
+    running):
+  """The syncer learns which Theta_p versions a learner holds from its step reports, which can lag
+  behind its offers (a loaded host; a finished learner's last report, before the flush's merges).
+  Its offer in the round names the version it holds for that fragment, and no other merge of the
+  fragment can reach it before this one's broadcast: that is enough for a delta. (A CI run under
+  load sent 26 keyframes in 32 merges, most at the flush.)"""
+  syncer, _ = _syncer(period=2, broadcast_delta="int4", attached=0,
+                      outer_tx=outer.make_outer_optimizer("sgd", 0.5, 0.0))
+  links = [Holder(m, syncer) for m in range(2)]
+  rng = np.random.default_rng(4)
+  for link in links:
+    syncer.attach(link.index, link)
+    for p in range(2):
+      def answer(merged_through, link=link, p=p):
+        names = syncer.model.fragments[p].names
+        with link.lock:
+          anchor = {n: link.anchors[n] for n in names}
+          version = int(link.versions[p])
+        return messages.Offer(
+            learner=link.index, fragment=p, step=merged_through + 2, since=merged_through,
+            steps=2, tokens=200, anchor_version=version, anchor=anchor,
+            values={n: anchor[n] - rng.normal(0, 0.1, anchor[n].shape).astype(np.float32)
+                    for n in names})
+      link.answers[p] = answer
+  running(syncer)
+  for step in range(1, 13):
+    for link in links:  # reports that name no versions: the syncer's record stays at 0
+      syncer.post(messages.StepReport(link.index, step, 0.01, 100, None))
+    _wait(lambda step=step: syncer.stats.merges >= step)
+  assert syncer.flush(timeout=60)
+  assert syncer.stats.keyframes == 0
+  versions = np.asarray(syncer.model.versions)
+  assert versions.min() >= 6  # fragments merged again and again, each time as a delta
+  received = {n: v for p in range(2) for n, v in syncer.model.received_fragment(p).items()}
+  for link in links:
+    assert link.ignored == 0
+    np.testing.assert_array_equal(link.versions, versions, err_msg=f"learner {link.index}")
+    for name, value in received.items():
+      np.testing.assert_array_equal(link.anchors[name], value, err_msg=f"{link.index} {name}")
+
+
 # ---- staleness scaling (config.outer.staleness_scaling) ----------------------------------------
 
 

@@ -139,10 +139,15 @@ class SyncerMerges:
       self._merged_through[key] = max(self._merged_through.get(key, 0), offer.step)
     broadcast = messages.Broadcast(p, version, result.wire, {o.learner: o.step for o in current},
                                    base_version=result.base_version)
+    # A learner's reports can lag behind its offer (a loaded host; a finished learner's last
+    # report before the flush): the offer names the version of Theta_p it holds, and no other
+    # merge of p reaches it before this broadcast.
+    offered = {o.learner: o.anchor_version for o in current}
     keyframe, sends = None, []
     for m in live:
       sent = broadcast
-      if broadcast.base_version is not None and self._held_version(m, p) != broadcast.base_version:
+      held = max(self._held_version(m, p), offered.get(m, -1))
+      if broadcast.base_version is not None and held != broadcast.base_version:
         if keyframe is None:
           keyframe = dataclasses.replace(broadcast, values=self.model.keyframe(result),
                                          base_version=None)
