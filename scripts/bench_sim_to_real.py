@@ -19,16 +19,22 @@ runtime realised (each crash's time and repair), the measured step time and the 
 training window. With the same fault draws there is no sampling noise to average away; a column of
 the simulator's own draws (`--sim_seeds` seeds of the same MTBF and repair law) is printed too.
 
-Three simulator columns, adding one `DecoupledOptions` term at a time:
+Four simulator columns, adding one `DecoupledOptions` term at a time:
   * the paper's model: a crash loses the step in flight;
   * + unmerged (`sync_period_steps` = H): a crash also loses every fragment's progress since the
     syncer last took it in, n - n²/2H steps n steps after a restart, H/2 beyond; the runtime's
     measured loss per crash (`lost_fragment_tokens`) is printed beside the simulator's;
-  * + discard, the full model (`receive_lag_steps` = d): the overwrite on receive
+  * + discard (`receive_lag_steps` = d): the overwrite on receive
     (config.merge.keep_in_flight_progress=False) drops d of every H steps. d is calibrated once, on
-    the fault-free run (else the one with the fewest crashes): d = H × discarded / compute time.
-The idle time at a finite run's ends (before a learner's first step, after its last) is measured
-and not modelled; residual = full model - runtime - idle.
+    the fault-free run (else the one with the fewest crashes): d = H × discarded / compute time;
+  * + budget, the full model (`steps_per_learner` = the run's num_steps, at its measured step
+    time): a learner that has made its steps is done and waits for the last one (FINISHED), and a
+    crashed one rejoins at a peer's step, as the runtime's does. residual = full model - runtime.
+The runtime's `idle` (before a learner's first step, after its last) is printed beside the
+simulator's FINISHED. The start skew is not modelled (every simulated learner starts at 0; the
+window is the run's, so that time lands in FINISHED): the summary gives only the earliest and
+latest first-step completion (`first_step_s`, `last_first_step_s`), not each learner's first step,
+so it cannot be split off `idle`; their spread is printed.
 
 Writes results/bench_sim_to_real.{json,md} (`--out`). Never imports JAX: the runs are subprocesses
 (scripts/framework_runs.py).
@@ -96,12 +102,14 @@ class Measured:
   """What the simulator needs from one run, read off its summary.json."""
 
   window_s: float  # the training window every learner's time buckets cover
+  num_steps: int  # config.num_steps: the step every learner ends at
   step_s: float  # mean wall time of a step (compute buckets / steps made)
   restart_s: float  # mean repair -> first step of the next incarnation
   unmerged_lost_steps: float  # mean steps of work lost per crash besides the step in flight
   crashes: dict[int, list[tuple[float, float]]]  # learner -> [(failed at s, repair s)]
   goodput: float
   buckets: dict[str, float]  # each time bucket's share of all learner time
+  first_steps_spread_s: float | None = None  # last - first learner's first step done; None: n/a
 
   @property
   def num_crashes(self) -> int:
@@ -124,11 +132,14 @@ def measure(summary: Mapping[str, Any], tokens_per_step: int = BATCH_SIZE * SEQ_
   lost_steps = sum(f.get("lost_fragment_tokens", 0) for f in failures) / (
       summary["num_fragments"] * tokens_per_step)
   shares = {k: sum(b[k] for b in buckets.values()) / total for k in next(iter(buckets.values()))}
+  first, last = summary.get("first_step_s"), summary.get("last_first_step_s")
   return Measured(
-      window_s=total / len(buckets), step_s=compute / steps_made,
+      window_s=total / len(buckets), num_steps=int(max(summary["learner_steps"])),
+      step_s=compute / steps_made,
       restart_s=sum(b["restart"] for b in buckets.values()) / restarted if restarted else 0.0,
       unmerged_lost_steps=lost_steps / len(failures) if failures else 0.0,
-      crashes=crashes, goodput=float(summary["goodput"]), buckets=shares)
+      crashes=crashes, goodput=float(summary["goodput"]), buckets=shares,
+      first_steps_spread_s=None if first is None or last is None else last - first)
 
 
 def calibration_run(runs: Sequence[tuple[float, Measured]]) -> tuple[float, Measured]:
@@ -160,6 +171,7 @@ class Replay(NamedTuple):
   goodput: float
   lost_steps: float  # LOST_PROGRESS over the learners, in steps
   crashes: int  # crashes that hit a running (or restarting) learner
+  finished: float  # FINISHED's share of all learner time (learners done with their steps)
 
 
 def simulate_replay(measured: Measured, params: ClusterParams,
@@ -178,13 +190,14 @@ def simulate_replay(measured: Measured, params: ClusterParams,
         **options.learner_terms(params.step_s)))
   return Replay(goodput=accounting.goodput(traces),
                 lost_steps=sum(tr.badput[accounting.LOST_PROGRESS] for tr in traces) / params.step_s,
-                crashes=sum(tr.num_failures for tr in traces))
+                crashes=sum(tr.num_failures for tr in traces),
+                finished=accounting.badput_shares(traces)[accounting.FINISHED])
 
 
 def simulate_drawn(measured: Measured, params: ClusterParams, options: DecoupledOptions, *,
                    seeds: int) -> tuple[float, float, float]:
   """Goodput mean and standard deviation, and the mean crash count, over `seeds` of the
-  simulator's own draws of the same law."""
+  simulator's own draws of the same law, over the run's window."""
   values, crashes = [], []
   for seed in range(seeds):
     root = np.random.SeedSequence([seed, NUM_LEARNERS])
@@ -202,14 +215,15 @@ def row(mtbf_s: float, measured: Measured, *, period_steps: int, receive_lag_ste
   params = cluster_params(measured, mtbf_s=mtbf_s, repair_s=repair_s, repair_shape=repair_shape)
   paper = simulate_replay(measured, params, DecoupledOptions())
   unmerged = simulate_replay(measured, params, DecoupledOptions(sync_period_steps=period_steps))
-  full_options = DecoupledOptions(sync_period_steps=period_steps,
-                                  receive_lag_steps=receive_lag_steps)
+  discard_options = DecoupledOptions(sync_period_steps=period_steps,
+                                     receive_lag_steps=receive_lag_steps)
+  discard = simulate_replay(measured, params, discard_options)
+  full_options = dataclasses.replace(discard_options, steps_per_learner=measured.num_steps)
   full = simulate_replay(measured, params, full_options)
   drawn, drawn_std, drawn_crashes = simulate_drawn(
       measured, params, full_options, seeds=sim_seeds) if sim_seeds else (None, None, None)
   # The same pauses in both replays, so the same steps in flight: the difference is the term's.
   sim_lost = (unmerged.lost_steps - paper.lost_steps) / unmerged.crashes if unmerged.crashes else 0.0
-  idle = measured.buckets["idle"]
   return {
       "mtbf_s": mtbf_s, "crashes": measured.num_crashes,
       "window_s": round(measured.window_s, 2), "step_s": round(measured.step_s, 4),
@@ -217,16 +231,21 @@ def row(mtbf_s: float, measured: Measured, *, period_steps: int, receive_lag_ste
       "unmerged_lost_steps": round(measured.unmerged_lost_steps, 2),
       "sim_unmerged_lost_steps": round(sim_lost, 2),
       "runtime": measured.goodput, "sim_paper": round(paper.goodput, 4),
-      "sim_unmerged": round(unmerged.goodput, 4), "sim_full": round(full.goodput, 4),
+      "sim_unmerged": round(unmerged.goodput, 4), "sim_discard": round(discard.goodput, 4),
+      "sim_full": round(full.goodput, 4),
       "sim_drawn": None if drawn is None else round(drawn, 4),
       "sim_drawn_std": None if drawn_std is None else round(drawn_std, 4),
       "sim_drawn_crashes": None if drawn_crashes is None else round(drawn_crashes, 1),
       "diff_paper_pts": round(100 * (paper.goodput - measured.goodput), 2),
       "diff_unmerged_pts": round(100 * (unmerged.goodput - measured.goodput), 2),
+      "diff_discard_pts": round(100 * (discard.goodput - measured.goodput), 2),
       "diff_full_pts": round(100 * (full.goodput - measured.goodput), 2),
-      "idle_pts": round(100 * idle, 2),
-      # What the full model still gets wrong once the run's idle ends are taken out.
-      "residual_pts": round(100 * (full.goodput - measured.goodput - idle), 2),
+      "idle_pts": round(100 * measured.buckets["idle"], 2),
+      "sim_finished_pts": round(100 * full.finished, 2),
+      "first_steps_spread_s": (None if measured.first_steps_spread_s is None
+                               else round(measured.first_steps_spread_s, 3)),
+      # What the full model still gets wrong: the start skew, and what no term models.
+      "residual_pts": round(100 * (full.goodput - measured.goodput), 2),
       "runtime_buckets": {k: round(v, 4) for k, v in measured.buckets.items()},
   }
 
@@ -236,18 +255,21 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
   def pct(x):
     return "n/a" if x is None else f"{100 * x:.1f}"
   lines = ["| MTBF s | crashes | step s | restart s | unmerged steps lost/crash runtime | sim | "
-           "runtime % | sim, paper's model % | sim + unmerged % | sim + unmerged + discard % | "
-           "full model drawn % | idle pts | residual pts |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "runtime % | sim, paper's model % | + unmerged % | + discard % | + budget (full) % | "
+           "full model drawn % | idle pts runtime | finished pts sim | first steps spread s | "
+           "residual pts |",
+           "|---" * 16 + "|"]
   for r in rows:
     drawn = "n/a" if r["sim_drawn"] is None else (
         f"{pct(r['sim_drawn'])} ± {100 * r['sim_drawn_std']:.1f} "
         f"({r['sim_drawn_crashes']:.0f} crashes)")
+    spread = "n/a" if r["first_steps_spread_s"] is None else f"{r['first_steps_spread_s']:.1f}"
     lines.append(
         f"| {r['mtbf_s']:g} | {r['crashes']} | {r['step_s']:.3f} | {r['restart_s']:.2f} | "
         f"{r['unmerged_lost_steps']:.1f} | {r['sim_unmerged_lost_steps']:.1f} | "
         f"{pct(r['runtime'])} | {pct(r['sim_paper'])} | {pct(r['sim_unmerged'])} | "
-        f"{pct(r['sim_full'])} | {drawn} | {r['idle_pts']:.1f} | {r['residual_pts']:+.1f} |")
+        f"{pct(r['sim_discard'])} | {pct(r['sim_full'])} | {drawn} | {r['idle_pts']:.1f} | "
+        f"{r['sim_finished_pts']:.1f} | {spread} | {r['residual_pts']:+.1f} |")
   return "\n".join(lines)
 
 
@@ -260,7 +282,7 @@ def estimate_full_minutes(process_s: Sequence[float], train_s: Sequence[float], 
   return full_runs * (overhead + train) / 60.0
 
 
-def note(*, period_steps: int, receive_lag_steps: float, calibrated_on: float,
+def note(*, period_steps: int, receive_lag_steps: float, calibrated_on: float, num_steps: int,
          sim_seeds: int) -> str:
   """The md's paragraph: what each simulator term is, and which input was calibrated where."""
   return (
@@ -271,13 +293,18 @@ def note(*, period_steps: int, receive_lag_steps: float, calibrated_on: float,
       f"{period_steps} steps, config.sync.period), on average n - n²/2H steps n steps after the "
       "learner's restart and H/2 beyond (a continuous approximation of even staggering); the "
       "runtime's mean loss per crash (lost_fragment_tokens) is set beside the simulator's. "
-      "+ discard (the full model): the overwrite on receive (config.merge.keep_in_flight_progress="
+      "+ discard: the overwrite on receive (config.merge.keep_in_flight_progress="
       f"False) drops d of every H steps of work, d = {receive_lag_steps:.2f} steps calibrated once "
       f"on the MTBF {calibrated_on:g} run (H × discarded / compute time) and used unchanged at "
-      "every rate. Idle (before a learner's first step, after its last) is measured, not "
-      "modelled: it comes from a finite run's ends (start-up skew, learners done waiting for the "
-      "others), which a simulator of steady-state training has no place for and which shrinks as "
-      "the run gets longer. residual = full model - runtime - idle. Full model drawn: the "
+      f"every rate. + budget (the full model): a learner that has made its {num_steps} steps (at "
+      "the measured step time) is done and waits for the last one until the run's window ends "
+      "(the simulator's FINISHED, beside the runtime's idle), and a crashed learner rejoins at the "
+      "step of a peer that never stopped, read at its repair, as the runtime's rejoiner takes its "
+      "healthiest peer's step. residual = full model - runtime, nothing subtracted. Not modelled: "
+      "the start skew (every simulated learner starts at 0, and as the window is the run's that "
+      "time lands in FINISHED); the summary gives only the first and last learner's first-step "
+      "completion, so the runtime's idle cannot be split into start and end: their spread is "
+      "printed. Full model drawn: the "
       "simulator's own draws of the same crash and repair law, mean ± std over "
       f"{sim_seeds} seeds, and their mean crash count: config.chaos.seed draws one sample of that "
       "law per run, so the realised crashes can sit well off it.")
@@ -333,7 +360,7 @@ def main(argv):
       f"`{report['command']}`", "",
       table(rows), "",
       note(period_steps=SYNC_PERIOD, receive_lag_steps=receive_lag, calibrated_on=calibrated_on,
-           sim_seeds=_SIM_SEEDS.value), "",
+           num_steps=num_steps, sim_seeds=_SIM_SEEDS.value), "",
       f"Whole bench {report['seconds'] / 60:.1f} min; the full bench ({len(_MTBFS.value)} rates, "
       f"{_NUM_STEPS.value} steps) is estimated at {minutes:.0f} min on this machine as loaded now."])
   out = study_common.ROOT / _OUT.value

@@ -28,6 +28,7 @@ def _summary():
       "time_buckets": {"0": _buckets(useful=14.0, lost=2.0, down=3.0, restart=1.0),
                        "1": _buckets(useful=20.0)},
       "tokens_trained": 36 * TOKENS_PER_STEP,  # 16 + 20 steps made
+      "learner_steps": [20, 20],  # config.num_steps = 20: the budget ends with the window
       "num_fragments": FRAGMENTS,
       "failures": [{"learner": 0, "failed_at_s": 5.0, "repaired_at_s": 8.0,
                     "lost_fragment_tokens": 2 * FRAGMENTS * TOKENS_PER_STEP}],
@@ -37,6 +38,8 @@ def _summary():
 def test_measure_reads_the_window_step_restart_and_unmerged_loss_off_the_summary():
   m = bench.measure(_summary())
   assert m.window_s == pytest.approx(20.0)
+  assert m.num_steps == 20
+  assert m.first_steps_spread_s is None  # the summary has no first-step times
   assert m.step_s == pytest.approx(1.0)
   assert m.restart_s == pytest.approx(1.0)
   assert m.unmerged_lost_steps == pytest.approx(2.0)
@@ -113,7 +116,7 @@ def test_the_simulators_own_draws_without_crashes_give_full_goodput():
 
 def test_the_table_adds_one_term_at_a_time_in_percent_and_signed_points():
   # H = 4, d = 0.4: the crash loses H/2 = 2 steps, as the runtime measured, and the overwrite a
-  # tenth of the rest. No idle time: the residual is all of full model - runtime.
+  # tenth of the rest. 20 steps of 1 s fill the window: the budget adds nothing.
   m = bench.measure(_summary())
   r = bench.row(30.0, m, period_steps=4, receive_lag_steps=0.4, repair_s=3.0,
                 repair_shape=0.85, sim_seeds=2)
@@ -123,8 +126,38 @@ def test_the_table_adds_one_term_at_a_time_in_percent_and_signed_points():
   assert r["residual_pts"] == pytest.approx(100 * (0.765 - 0.8))
   text = bench.table([r])
   assert text.splitlines()[0].startswith("| MTBF s | crashes |")
-  assert "| 30 | 1 | 1.000 | 1.00 | 2.0 | 2.0 | 80.0 | 90.0 | 85.0 | 76.5 |" in text
-  assert text.endswith("| 0.0 | -3.5 |")
+  assert "| 30 | 1 | 1.000 | 1.00 | 2.0 | 2.0 | 80.0 | 90.0 | 85.0 | 76.5 | 76.5 |" in text
+  assert text.endswith("| 0.0 | 0.0 | n/a | -3.5 |")
+
+
+def _finished_early():
+  """As `_summary`, with config.num_steps = 15 and first steps done 5.0 and 5.5 s into the build:
+  learner 1 steps 0-15 s and idles 5 s; learner 0 makes 5 steps, is down 5-8 s, rejoins at its
+  peer's step 8, restarts 8-9 s, makes 7 steps (2 of them lost) and idles 4 s."""
+  return {**_summary(), "goodput": 25 / 40, "learner_steps": [15, 15],
+          "tokens_trained": 27 * TOKENS_PER_STEP,
+          "first_step_s": 5.0, "last_first_step_s": 5.5,
+          "time_buckets": {"0": _buckets(useful=10.0, lost=2.0, down=3.0, restart=1.0, idle=4.0),
+                           "1": _buckets(useful=15.0, idle=5.0)}}
+
+
+def test_the_budget_ends_each_learner_at_its_steps_and_the_residual_subtracts_nothing():
+  # H = 4, d = 0.4. Learner 1 makes its 15 s of steps by 15 s: 5 s finished. Learner 0 crashes at
+  # 5 s (loses H/2 = 2 steps), rejoins at 8 s of a peer's steps, restarts until 9 s and makes the
+  # last 7 by 16 s: 4 s finished. Useful: 0.9 × ((5 + 7 - 2) + 15) of 40 learner-seconds.
+  m = bench.measure(_finished_early())
+  assert (m.num_steps, m.step_s, m.first_steps_spread_s) == (15, pytest.approx(1.0),
+                                                            pytest.approx(0.5))
+  r = bench.row(30.0, m, period_steps=4, receive_lag_steps=0.4, repair_s=3.0,
+                repair_shape=0.85, sim_seeds=2)
+  assert r["sim_discard"] == pytest.approx(0.9 * (16 - 2 + 20) / 40)  # to the window's end
+  assert r["sim_full"] == pytest.approx(0.9 * 25 / 40)
+  assert r["sim_finished_pts"] == pytest.approx(100 * 9 / 40)
+  assert r["idle_pts"] == pytest.approx(100 * 9 / 40)
+  assert r["residual_pts"] == pytest.approx(100 * (0.9 * 25 / 40 - 25 / 40), abs=0.01)
+  line = bench.table([r]).splitlines()[-1]
+  assert "| 62.5 | 90.0 | 85.0 | 76.5 | 56.2 |" in line
+  assert "| 22.5 | 22.5 | 0.5 |" in line
 
 
 def test_the_full_bench_estimate_scales_training_by_steps_and_keeps_the_overhead():

@@ -228,6 +228,77 @@ def test_a_receive_lag_needs_a_sync_period():
     goodput.DecoupledOptions(sync_period_steps=24, receive_lag_steps=30.0)
 
 
+# ---- a finite run: the step budget --------------------------------------------------------------
+
+
+def test_a_job_that_made_its_steps_is_finished_and_no_later_failure_hits_it():
+  # 12 steps of 1 s: done at 12 s, finished 12-20 s; the failure scripted at 15 s never comes.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[15.0],
+                               repair_durations_s=[3.0], step_budget_s=12.0)
+  assert trace.useful == pytest.approx(12.0)
+  assert trace.badput[accounting.FINISHED] == pytest.approx(8.0)
+  assert trace.num_failures == 0
+  np.testing.assert_allclose(trace.pauses_Kx2, [[12.0, 20.0]])  # finished: no progress either
+  _assert_chip_time_adds_up(trace)
+
+
+def test_a_crashed_learner_rejoins_at_a_peers_step_and_skips_ahead():
+  # Fails 0.5 s into its 6th step at 5.5 s (5 steps made), repaired at 8.5 s: a peer that never
+  # stopped has made 8.5 s of steps, so it goes on from there after its 2 s restart (10.5 s) and
+  # makes its 12th second of steps at 14 s, not at 10.5 + 7 = 17.5 s.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[5.5],
+                               repair_durations_s=[3.0], step_budget_s=12.0)
+  assert trace.useful == pytest.approx(5.0 + 3.5)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(0.5)
+  assert trace.badput[accounting.IDLE_DOWN] == pytest.approx(3.0 + 2.0)
+  assert trace.badput[accounting.FINISHED] == pytest.approx(20.0 - 14.0)
+  np.testing.assert_allclose(trace.pauses_Kx2, [[5.5, 10.5], [14.0, 20.0]])
+  _assert_chip_time_adds_up(trace)
+
+
+def test_a_learner_repaired_past_its_budget_is_finished_at_the_repair():
+  # Down 10-14 s with a 12 s budget: it rejoins at a peer's 14 s of steps, past 12, with no step
+  # left to make (the runtime's rejoiner at config.num_steps), so no restart either.
+  trace = simulate_elastic_job(1, ONE_CHIP, 20.0, _rng(), failure_times_s=[10.0],
+                               repair_durations_s=[4.0], step_budget_s=12.0)
+  assert trace.useful == pytest.approx(10.0)
+  assert trace.badput[accounting.IDLE_DOWN] == pytest.approx(4.0)
+  assert trace.badput[accounting.FINISHED] == pytest.approx(6.0)
+  np.testing.assert_allclose(trace.pauses_Kx2, [[10.0, 20.0]])
+  _assert_chip_time_adds_up(trace)
+
+
+def test_with_surviving_slices_the_step_in_flight_is_made_again():
+  # Two 1-chip slices; one fails 0.5 s into the 6th step: the survivor keeps the 5 steps (no skip
+  # ahead), re-configures 5.5-7.5 s (the failed slice, repaired at 6.5 s, joins in that pause),
+  # and makes the other 5 of a 10 s budget 7.5-12.5 s. Then 2 chips × 7.5 s finished.
+  trace = simulate_elastic_job(2, ONE_CHIP, 20.0, _rng(), failure_times_s=[5.5],
+                               repair_durations_s=[1.0], step_budget_s=10.0)
+  assert trace.useful == pytest.approx(2 * 5.0 + 2 * 5.0)
+  assert trace.badput[accounting.LOST_PROGRESS] == pytest.approx(2 * 0.5)
+  assert trace.badput[accounting.RECONFIGURATION] == pytest.approx(2.0)
+  assert trace.badput[accounting.IDLE_DOWN] == pytest.approx(2.0)
+  assert trace.badput[accounting.FINISHED] == pytest.approx(2 * 7.5)
+  _assert_chip_time_adds_up(trace)
+
+
+def test_steps_per_learner_is_a_step_budget_of_that_many_steps():
+  assert goodput.DecoupledOptions().learner_terms(0.5)["step_budget_s"] == math.inf
+  assert goodput.DecoupledOptions(steps_per_learner=200).learner_terms(0.5)[
+      "step_budget_s"] == pytest.approx(100.0)
+  with pytest.raises(ValueError, match="steps_per_learner"):
+    goodput.DecoupledOptions(steps_per_learner=-1)
+  # Learners that never fail and make their steps in half the horizon: half of it finished, and
+  # the system as a whole stops then.
+  half = int(0.5 * 86_400 / PARAMS.step_s)
+  result = goodput.simulate_system("decoupled", 150_000, NEVER_FAILS, num_learners=4,
+                                   horizon_days=1.0,
+                                   decoupled=goodput.DecoupledOptions(steps_per_learner=half))
+  assert result.goodput == pytest.approx(0.5)
+  assert result.badput[accounting.FINISHED] == pytest.approx(0.5)
+  assert result.uptime == pytest.approx(0.5)
+
+
 # ---- agreement with the closed forms ------------------------------------------------------------
 
 

@@ -12,8 +12,9 @@ mean the same thing, so a real run's breakdown sits beside a simulated one:
   idle_down      from a failure until the learner's devices are repaired; the simulator's IDLE_DOWN
   restart        from the repair until the new incarnation starts its first step (building it,
                  moving the peer's state and Theta to it); the simulator's RESTART
-  idle           none of the above: before the first step, after the last, a hung learner, and waits
-                 at lock-step barriers once the runtime reports them as `waits`
+  idle           none of the above: before the first step, after the last (with a step budget, the
+                 simulator's FINISHED), a hung learner, and waits at lock-step barriers once the
+                 runtime reports them as `waits`
 
 Which step seconds were useful is not known per step: a step's tokens reach each fragment of Theta
 (or not) separately. The step time is apportioned by the learner's fragment-token accounting

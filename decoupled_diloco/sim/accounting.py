@@ -17,8 +17,10 @@ LOST_PROGRESS = "lost_progress"  # work since the last checkpoint (the step in f
 IDLE_DOWN = "idle_down"  # chips of slices under repair (or repaired and about to rejoin)
 STALE = "stale"  # discounted share of a rejoining learner's first (stale) steps, decoupled only
 DISCARDED = "discarded"  # a learner's progress the overwrite on receive dropped, decoupled only
+# A job that has made its step budget, until the horizon (a finite run: it waits for the others).
+FINISHED = "finished"
 
-BUCKETS = (RESTART, RECONFIGURATION, LOST_PROGRESS, IDLE_DOWN, STALE, DISCARDED)
+BUCKETS = (RESTART, RECONFIGURATION, LOST_PROGRESS, IDLE_DOWN, STALE, DISCARDED, FINISHED)
 
 # The ml-goodput-measurement BadputType(s) each bucket would be reported under.
 ML_GOODPUT_BADPUT_TYPES = {
@@ -29,6 +31,7 @@ ML_GOODPUT_BADPUT_TYPES = {
     IDLE_DOWN: ("INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",),
     STALE: ("OTHER",),
     DISCARDED: ("OTHER",),
+    FINISHED: ("OTHER",),
 }
 
 

@@ -17,6 +17,18 @@ Two terms of a decoupled learner, both off by default (the paper's model):
   * `discard_share` = d/H: the overwrite on receive drops d steps of a fragment's progress at each of
     its merges, one every H steps, so that share of every running second's work (DISCARDED).
 
+A finite run, off by default (the paper's model runs every job to the horizon): `step_budget_s`,
+config.num_steps × step_s. Once the job has made that many seconds of steps it is done, and its
+chips are FINISHED until the horizon, where the run's window ends with its last learner. What
+counts is the runtime's step counter: completed steps (the step in flight at a crash is not one;
+the unmerged steps a crash loses are, as the learner's counter keeps them). A job that lost every
+slice restarts from a peer's step, as a crashed learner does (`runtime/core/rejoin.py`:
+`step_after` is the healthy peer's newest published step), so it skips ahead: to the steps of a
+peer that ran since t = 0 without a stop, read at the repair, before the re-configuration. A job
+that rejoins at or past its budget is done there (the runtime's rejoiner at num_steps makes no
+step). The peer is an idealisation: the runtime's healthiest peer may itself have skipped ahead
+and be a restart behind.
+
 For λ = N / MTBI failures per second and pauses of mean r, each failure costs about two pauses
 (shrink, re-grow), step_s/2 of lost work, and its slice's chips for a repair, so to first order
     goodput ≈ (1 − q) · (1 − λ·step_s/2) / (1 + 2·λ·r),
@@ -67,6 +79,7 @@ def simulate_elastic_job(
     repair_durations_s: Optional[Sequence[float]] = None,
     unmerged_period_s: float = 0.0,
     discard_share: float = 0.0,
+    step_budget_s: float = math.inf,
 ) -> accounting.JobTrace:
   """Simulates one elastic job of `num_chips` chips over [0, horizon_s) after a warm-up.
 
@@ -89,6 +102,10 @@ def simulate_elastic_job(
       step in flight, a DP snapshot per step.
     discard_share: share of every running second's work that the overwrite on receive drops
       (decoupled learners: d/H, d steps of a fragment's progress dropped at each of its merges).
+    step_budget_s: seconds of completed steps after which the job is done (config.num_steps ×
+      step_s), counted from t = 0, skipping ahead to a non-stop peer's at a restart from no slice
+      (module docstring); its chips are FINISHED from then to the horizon, and no later failure
+      hits it. inf: it runs to the horizon (the paper's model).
 
   Returns:
     The job's trace: useful chip-seconds, badput buckets, pause intervals.
@@ -101,6 +118,8 @@ def simulate_elastic_job(
     raise ValueError(f"unmerged_period_s={unmerged_period_s} must be >= 0")
   if not 0.0 <= discard_share <= 1.0:
     raise ValueError(f"discard_share={discard_share} must be in [0, 1]")
+  if not step_budget_s > 0.0:
+    raise ValueError(f"step_budget_s={step_budget_s} must be > 0")
   if repair_durations_s is not None and (
       failure_times_s is None or len(repair_durations_s) != len(failure_times_s)):
     raise ValueError("repair_durations_s needs failure_times_s of the same length, one repair per "
@@ -129,6 +148,8 @@ def simulate_elastic_job(
   kept = 1.0 - discard_share  # of a running chip-second's work, what no overwrite drops
   useful = reconfig = idle = stale = lost = discarded = 0.0  # chip-seconds from t = 0 on
   pauses, num_failures = [], 0
+  made = 0.0  # seconds of completed steps from t = 0 on: the step counter × step_s
+  finished_at = horizon_s  # when the job made its step budget
 
   while True:
     healthy = in_mesh + waiting
@@ -137,7 +158,8 @@ def simulate_elastic_job(
     else:
       t_fail = scripted[-1] if scripted and healthy else inf
     t_repair = repairs[0] if repairs else inf
-    t_next = min(t_fail, t_repair, pause_end, horizon_s)
+    t_done = inf if paused else max(t, 0.0) + step_budget_s - made
+    t_next = min(t_fail, t_repair, pause_end, t_done, horizon_s)
 
     a = t if t > 0.0 else 0.0
     if t_next > a:
@@ -147,6 +169,7 @@ def simulate_elastic_job(
       if paused:
         reconfig += mesh_time
       else:
+        made += dt
         discarded += mesh_time * discard_share
         mesh_time *= kept
         if stale_until > a and rejoin_discount:
@@ -158,6 +181,9 @@ def simulate_elastic_job(
     if t >= horizon_s:
       break
 
+    if t == t_done:
+      finished_at = t
+      break
     if t == pause_end:
       in_mesh += waiting
       waiting = 0
@@ -171,7 +197,11 @@ def simulate_elastic_job(
       waiting += 1
       if not paused:
         paused, pause_start, pause_end = True, t, t + rand.duration(reconfig_s)
-      elif pause_end == inf:  # the job had no slice left; this one restarts it
+      elif pause_end == inf:  # the job had no slice left; this one restarts it, at a peer's step
+        made = max(made, t, 0.0)
+        if made >= step_budget_s:
+          finished_at = t
+          break
         pause_end = t + rand.duration(reconfig_s)
     else:  # a failure of one healthy slice, uniformly at random (scripted: one of the mesh)
       if scripted:
@@ -189,6 +219,7 @@ def simulate_elastic_job(
             ran = min(t - run_since, t)
             in_flight = min((t - run_since) % step_s, t) if step_s > 0.0 else 0.0
             gone = in_flight + unmerged_lost_s(ran - in_flight, unmerged_period_s)
+            made -= in_flight
             stale_part = max(0.0, min(t, stale_until) - (t - gone)) * rejoin_discount
             useful -= in_mesh * chips * kept * (gone - stale_part)
             stale -= in_mesh * chips * kept * stale_part
@@ -204,9 +235,10 @@ def simulate_elastic_job(
       # A new (or restarted) re-configuration, without the failed slice.
       pause_end = t + rand.duration(reconfig_s) if in_mesh + waiting > 0 else inf
 
-  if paused:
-    pauses.append((max(pause_start, 0.0), horizon_s))
+  if paused or finished_at < horizon_s:  # a finished job makes no progress either
+    pauses.append((max(pause_start if paused else finished_at, 0.0), horizon_s))
   badput = accounting.empty_badput()
+  badput[accounting.FINISHED] = num_chips * (horizon_s - finished_at)
   badput[accounting.RECONFIGURATION] = reconfig
   badput[accounting.LOST_PROGRESS] = lost
   badput[accounting.IDLE_DOWN] = idle

@@ -9,7 +9,7 @@ Each system is simulated from its own mechanics, never derived from another syst
     only its learner. The syncer never stops while one learner runs, so the system is up unless all
     M learners are paused at once. Options, all off by default (`DecoupledOptions`): a rejoining
     learner's first steps discounted, a crash losing the progress no merge had taken in, the
-    overwrite on receive dropping a share of every step.
+    overwrite on receive dropping a share of every step, a finite run of so many steps.
 
 goodput = Σ useful chip-s / (N × horizon); uptime = share of time the system as a whole advances.
 The rule of thumb of the paper (M learners at N chips ≈ one elastic learner at N/M chips) is not
@@ -17,6 +17,7 @@ built in: it follows because a learner's failures, pauses and down slices scale 
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -51,10 +52,16 @@ class DecoupledOptions:
   # merge was in flight), so a share d / H of every running second's work. Needs sync_period_steps.
   # 0: nothing dropped.
   receive_lag_steps: float = 0.0
+  # config.num_steps: a learner that has made them is done and waits for the others until the
+  # horizon (FINISHED; elastic_job's `step_budget_s`, with a rejoiner skipping ahead to a peer's
+  # step). 0: unbounded, every learner trains to the horizon (the paper's model).
+  steps_per_learner: int = 0
 
   def __post_init__(self):
     if self.sync_period_steps < 0:
       raise ValueError(f"DecoupledOptions.sync_period_steps={self.sync_period_steps} must be >= 0")
+    if self.steps_per_learner < 0:
+      raise ValueError(f"DecoupledOptions.steps_per_learner={self.steps_per_learner} must be >= 0")
     if self.receive_lag_steps and not self.sync_period_steps:
       raise ValueError(f"DecoupledOptions.receive_lag_steps={self.receive_lag_steps} needs "
                        "sync_period_steps > 0: the share of work it drops is d / H")
@@ -68,7 +75,9 @@ class DecoupledOptions:
             "rejoin_discount": self.rejoin_discount,
             "unmerged_period_s": self.sync_period_steps * step_s,
             "discard_share": (self.receive_lag_steps / self.sync_period_steps
-                              if self.sync_period_steps else 0.0)}
+                              if self.sync_period_steps else 0.0),
+            "step_budget_s": (self.steps_per_learner * step_s if self.steps_per_learner
+                              else math.inf)}
 
 
 @dataclasses.dataclass(frozen=True)
