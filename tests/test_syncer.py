@@ -872,11 +872,13 @@ class Holder(Scripted):
     syncer.post(messages.StepReport(self.index, step, 0.01, 100, versions))
 
 
-def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_others(running):
+def _delta_syncer_and_holders(seed):
+  """A syncer with int4 delta broadcasts (P = H = 2) and two attached Holders whose offers take
+  2 noisy steps from the anchor they hold, naming its version."""
   syncer, _ = _syncer(period=2, broadcast_delta="int4", attached=0,
                       outer_tx=outer.make_outer_optimizer("sgd", 0.5, 0.0))
   links = [Holder(m, syncer) for m in range(2)]
-  rng = np.random.default_rng(3)
+  rng = np.random.default_rng(seed)
   for link in links:
     syncer.attach(link.index, link)
     for p in range(2):
@@ -891,6 +893,11 @@ def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_oth
             values={n: anchor[n] - rng.normal(0, 0.1, anchor[n].shape).astype(np.float32)
                     for n in names})
       link.answers[p] = answer
+  return syncer, links
+
+
+def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_others(running):
+  syncer, links = _delta_syncer_and_holders(3)
   running(syncer)
   for step in range(1, 41):
     links[1].cut = 10 <= step < 14  # a partition: learner 1 loses the broadcasts meanwhile
@@ -918,24 +925,7 @@ def test_a_learner_whose_offer_names_the_base_version_gets_a_delta_before_its_re
   Its offer in the round names the version it holds for that fragment, and no other merge of the
   fragment can reach it before this one's broadcast: that is enough for a delta. (A CI run under
   load sent 26 keyframes in 32 merges, most at the flush.)"""
-  syncer, _ = _syncer(period=2, broadcast_delta="int4", attached=0,
-                      outer_tx=outer.make_outer_optimizer("sgd", 0.5, 0.0))
-  links = [Holder(m, syncer) for m in range(2)]
-  rng = np.random.default_rng(4)
-  for link in links:
-    syncer.attach(link.index, link)
-    for p in range(2):
-      def answer(merged_through, link=link, p=p):
-        names = syncer.model.fragments[p].names
-        with link.lock:
-          anchor = {n: link.anchors[n] for n in names}
-          version = int(link.versions[p])
-        return messages.Offer(
-            learner=link.index, fragment=p, step=merged_through + 2, since=merged_through,
-            steps=2, tokens=200, anchor_version=version, anchor=anchor,
-            values={n: anchor[n] - rng.normal(0, 0.1, anchor[n].shape).astype(np.float32)
-                    for n in names})
-      link.answers[p] = answer
+  syncer, links = _delta_syncer_and_holders(4)
   running(syncer)
   for step in range(1, 13):
     for link in links:  # reports that name no versions: the syncer's record stays at 0
