@@ -379,6 +379,14 @@ def test_slow_learner_keeps_being_synced_after_the_fastest_ones_finish(tmp_path)
   assert gaps.max() <= 2 * period, sorted(slow_steps)
 
 
+def test_a_run_shorter_than_log_every_still_prints_its_last_step_line(tmp_path, caplog):
+  run = train.build(tiny_settings(tmp_path, num_steps=4, log_every=25, eval_every=0))
+  with caplog.at_level(logging.INFO, logger="absl"):
+    train.execute(run, progress=True)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+  assert len(lines) == 1 and lines[0].startswith("step 4/4 | loss "), lines
+
+
 def test_progress_lines_and_evaluations_go_on_while_a_straggler_trains_after_the_fastest_finish(
     tmp_path, caplog):
   """Once the fastest learners are done, the run is not silent until the straggler ends: progress

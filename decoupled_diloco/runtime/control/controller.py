@@ -191,6 +191,8 @@ def _train_until_done(run: run_lib.Run, evals: list[dict[str, Any]], progress: b
         evals.append(evaluate(run, clock))
         tail_eval = (tail // settings.eval_every + 1) * settings.eval_every
     saver.tick(clock)
+  if progress:  # the last step's line: a run shorter than config.log_every has one too
+    _log_progress(run, max(l.step for l in learners), evals)
 
 
 def _check_supervisor(supervisor: supervisor_lib.Supervisor | None) -> None:
