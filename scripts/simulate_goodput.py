@@ -39,6 +39,12 @@ flags.DEFINE_float("restart_s", _DEFAULTS.restart_s, "Mean restart of a non-elas
 flags.DEFINE_float("step_s", _DEFAULTS.step_s, "Step time = checkpoint interval (s).")
 flags.DEFINE_float("rejoin_discount", 0.0, "Share of a rejoining learner's stale steps not counted.")
 flags.DEFINE_integer("rejoin_stale_steps", 24, "Stale steps after each pause of a learner.")
+flags.DEFINE_integer("sync_period_steps", 0,
+                     "H: a crashed learner also loses each fragment's unmerged progress (H/2 steps "
+                     "once it ran H); 0 = only the step in flight, the paper's model.")
+flags.DEFINE_float("receive_lag_steps", 0.0,
+                   "d: the overwrite on receive drops d of every H steps (needs "
+                   "--sync_period_steps); scripts/bench_sim_to_real.py measured 1.0.")
 flags.DEFINE_string("out_dir", "results", "Where the JSON table and the plot go ('' = nowhere).")
 
 
@@ -106,7 +112,9 @@ def main(argv):
       weibull_shape=FLAGS.weibull_shape, repair_s=FLAGS.repair_s, reconfig_s=FLAGS.reconfig_s,
       restart_s=FLAGS.restart_s, step_s=FLAGS.step_s)
   options = goodput.DecoupledOptions(rejoin_stale_steps=FLAGS.rejoin_stale_steps,
-                                     rejoin_discount=FLAGS.rejoin_discount)
+                                     rejoin_discount=FLAGS.rejoin_discount,
+                                     sync_period_steps=FLAGS.sync_period_steps,
+                                     receive_lag_steps=FLAGS.receive_lag_steps)
   seeds = list(range(FLAGS.seed, FLAGS.seed + FLAGS.num_seeds))
 
   grids, seconds = [], []
@@ -168,7 +176,9 @@ def main(argv):
         "badput": badput,
         "badput_ml_goodput_types": {b: list(t) for b, t in accounting.ML_GOODPUT_BADPUT_TYPES.items()},
         "decoupled_options": {"rejoin_stale_steps": options.rejoin_stale_steps,
-                              "rejoin_discount": options.rejoin_discount},
+                              "rejoin_discount": options.rejoin_discount,
+                              "sync_period_steps": options.sync_period_steps,
+                              "receive_lag_steps": options.receive_lag_steps},
     }
     (out / "goodput_table.json").write_text(json.dumps(table, indent=1) + "\n")
     _plot(out / "goodput_vs_chips.png", keys, chips, ours, paper)
