@@ -221,21 +221,24 @@ _IDENTITY = dict(outer__name="sgd", outer__learning_rate=1.0, outer__momentum=0.
 _ONE_LEARNER = dict(num_learners=1, learner_mesh_shapes=((2, 1),), num_steps=48)
 
 
-@pytest.mark.parametrize("merge_delay_s, scan_layers", [(0.0, False), (0.03, True)])
+@pytest.mark.parametrize("merge_delay_s, scan_layers, donate",
+                         [(0.0, False, "auto"), (0.03, True, "auto"), (0.0, False, "always")])
 def test_identity_outer_step_with_one_learner_tracks_dp_under_a_busy_syncer(tmp_path,
                                                                             merge_delay_s,
-                                                                            scan_layers):
+                                                                            scan_layers, donate):
   """P = H = 2 and tau = 1: a fragment falls due every step and comes back about
   when it falls due again, so pulls and broadcasts of the same fragment meet all the time; with
   merge_delay_s every merge also comes back late while the learner runs ahead. No step may be lost
   or merged twice, so the final loss equals dp's. With stacked layers the learner reads and writes
-  its fragments as slices of the stacked tensors."""
-  layout = {"model__scan_layers": scan_layers}
+  its fragments as slices of the stacked tensors. With the state donated, as on an accelerator,
+  pulls read the copies made before each step overwrites the state (runtime/core/learner.py)."""
+  layout = {"model__scan_layers": scan_layers, "donate_state": donate}
   _, dp = _run(tmp_path / "dp", mode="dp", **_ONE_LEARNER, **layout)
   # 10 ms steps: a merge (~10 ms here) comes back about one step after its round opened.
   run = train.build(tiny_settings(tmp_path / "decoupled", sync__num_fragments=2, sync__period=2,
                                   sync__overlap=1, learner_step_delays_s=(0.01,), **_IDENTITY,
                                   **_ONE_LEARNER, **layout))
+  assert run.settings.donates_state == (donate == "always")
   if merge_delay_s:
     compute = run.syncer._compute_merge
 
