@@ -191,6 +191,13 @@ def test_an_override_a_replay_cannot_follow_is_refused_naming_the_field(recorded
   assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_the_bundled_corpus_is_recorded_as_its_config_value_not_this_checkout_s_path(recorded):
+  """A replay in another clone or revision reads its own copy of the bundled corpus: the tape
+  names it '' (config.data.source's value for it), not the recording checkout's file."""
+  recording, _ = recorded
+  assert event_tape.load(recording).config["data.source"] == "''"
+
+
 def test_a_replay_without_a_workdir_writes_next_to_the_recording(recorded):
   recording, _ = recorded
   settings = _command_line_replay(recording)

@@ -55,6 +55,7 @@ from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import compression
 from decoupled_diloco.algorithm import tape as tape_lib
+from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.runtime.faults import injector
 from decoupled_diloco.runtime.core import learner_replay
 from decoupled_diloco.runtime.core import messages
@@ -97,13 +98,17 @@ class ReplayDiverged(RuntimeError):
 
 
 def settings_record(settings: settings_lib.RunSettings) -> dict[str, str]:
-  """Every config field of `settings`, dotted name -> repr of its value (the tape's `config`)."""
+  """Every config field of `settings`, dotted name -> repr of its value (the tape's `config`).
+  The bundled corpus is recorded as its config value, '': its resolved path names this checkout's
+  copy, which a replay in another checkout (another clone, another revision) does not have."""
   values = {}
   for name in settings_lib.config_fields():
     node = settings
     for part in name.split("."):
       node = getattr(node, part, None) if node is not None else None
     values[name] = repr(node)
+  if getattr(settings.data, "source", None) == data_lib.default_corpus_path():
+    values["data.source"] = repr("")
   return values
 
 
