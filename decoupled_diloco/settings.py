@@ -76,6 +76,9 @@ class DevicesSettings:
   # job over every learner's chips). A TPU run checks its chips' generation against it;
   # scripts/aot_compile.py compiles each learner for it.
   tpu_topologies: tuple[str, ...]
+  # Fake CPU devices grouped by id into emulated slices of this many (runtime/core/slices.py); 0 =
+  # none. CPU only: TPU devices carry their slice_index.
+  fake_slice_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,6 +512,17 @@ def _tpu_topologies(config, num_learners: int, mesh_shapes: tuple[tuple[int, ...
   return names
 
 
+def _fake_slice_size(config) -> int:
+  size = _check_int(config, "devices.fake_slice_size", 0)
+  if size and (_get(config, "devices.platform") != "cpu"
+               or not _get(config, "devices.num_fake_cpu_devices")):
+    _fail("devices.fake_slice_size", size,
+          "emulates slices on fake CPU devices only: it needs config.devices.platform='cpu' and "
+          "config.devices.num_fake_cpu_devices > 0 (TPU devices carry their own slice_index); "
+          "0 = no emulated slices")
+  return size
+
+
 def _step_delays(config, num_learners: int) -> tuple[float, ...]:
   delays = _get(config, "learner_step_delays_s")
   if not isinstance(delays, (list, tuple)) or len(delays) not in (0, num_learners) or any(
@@ -798,7 +812,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       num_fake_cpu_devices=_check_int(config, "devices.num_fake_cpu_devices", 0),
       learners_sharing_devices=_learners_sharing_devices(config, num_learners, mesh_shapes),
       memory_per_device_gb=_check_float(config, "devices.memory_per_device_gb", 0.0),
-      tpu_topologies=_tpu_topologies(config, num_learners, mesh_shapes))
+      tpu_topologies=_tpu_topologies(config, num_learners, mesh_shapes),
+      fake_slice_size=_fake_slice_size(config))
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),

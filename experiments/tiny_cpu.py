@@ -123,9 +123,15 @@ def get_config() -> ml_collections.ConfigDict:
   # device reports (a GPU or TPU; a CPU reports nothing, so 0 leaves a CPU run unchecked).
   config.devices.memory_per_device_gb = 0.0
   # The TPU slice of each learner ("v5p:4x4x4"; one for all or one per learner), as the TPU
-  # experiments name them: a TPU run checks its chips against it, and scripts/aot_compile.py
-  # compiles every learner program for it on any host. () = none (CPU).
+  # experiments name them: each learner is placed on a slice of that generation (a heterogeneous
+  # run is matched by chip kind), and scripts/aot_compile.py compiles every learner program for it
+  # on any host. () = none (CPU; any slice).
   config.devices.tpu_topologies = ()
+  # Emulated slices: the fake CPU devices, by id, in runs of this many, each a "slice" as TPU
+  # devices of one slice_index are. Every learner's mesh lies inside one slice (its all-reduce never
+  # crosses two), so this tests the carving a multi-slice TPU run gets. 0 = none: the host's
+  # devices are one group, learners take consecutive devices of it. CPU only.
+  config.devices.fake_slice_size = 0
 
   config.num_learners = 4  # M: learners, each training on a mesh of its own
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or

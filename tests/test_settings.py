@@ -77,12 +77,21 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("devices.tpu_topologies", ("v5p:2x2x1",), "v5p:2x2x1 has 4 chips but learner 0's mesh "
      "(config.learner_mesh_shapes) has 2 devices"),
     ("devices.tpu_topologies", ("v6e:1x2",) * 3, "one per learner (num_learners=4)"),
+    ("devices.fake_slice_size", -1, "config.devices.fake_slice_size=-1 is invalid: must be >= 0"),
     ("model.remat", "auto", "config.model.remat='auto' is invalid: picks a policy from the TPU "
      "compiler's memory figures at start-up: it needs config.devices.platform='tpu'"),
     ("model.remat", "some", "config.model.remat='some' must be one of"),
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
   _assert_fails(field, value, needle)
+
+
+def test_fake_slices_are_for_fake_cpu_devices_only():
+  assert settings.validate(_config(**{"devices.fake_slice_size": 2})).devices.fake_slice_size == 2
+  with pytest.raises(ValueError, match=r"config\.devices\.fake_slice_size=2 is invalid: emulates "
+                                       r"slices on fake CPU devices only"):
+    settings.validate(_config(**{"devices.fake_slice_size": 2, "devices.platform": "tpu",
+                                 "devices.num_fake_cpu_devices": 0}))
 
 
 def test_nesterov_delay_needs_the_nesterov_outer_optimizer():

@@ -110,13 +110,16 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
   in_processes = transport.learners_in_processes
   # With learner processes (config.runtime=ray) this process holds the syncer and one CPU device
   # for the model's initialisation and the evaluations; each learner makes its own mesh.
-  learner_meshes, syncer_mesh = devices_lib.build_meshes(
-      ((1, 1),) if in_processes else settings.learner_mesh_shapes, settings.syncer.num_devices,
-      "cpu" if in_processes else settings.devices.platform,
-      1 if in_processes else settings.devices.learners_sharing_devices)
+  if in_processes:
+    learner_meshes, syncer_mesh = devices_lib.build_meshes(((1, 1),), settings.syncer.num_devices,
+                                                           "cpu")
+  else:
+    learner_meshes, syncer_mesh = devices_lib.build_meshes(
+        settings.learner_mesh_shapes, settings.syncer.num_devices, settings.devices.platform,
+        settings.devices.learners_sharing_devices,
+        fake_slice_size=settings.devices.fake_slice_size,
+        tpu_topologies=settings.devices.tpu_topologies, one_job=settings.mode == "dp")
   if settings.devices.platform == "tpu" and not in_processes:
-    if settings.devices.tpu_topologies:
-      devices_lib.check_tpu_topologies(learner_meshes, settings.devices.tpu_topologies)
     # Before the model is built: its remat policy is part of its program.
     settings, _ = assembly.resolve_remat(
         settings, {group[0]: learner_meshes[group[0]] for group in

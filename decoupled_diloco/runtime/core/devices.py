@@ -1,9 +1,10 @@
 """Splitting one controller's devices into M learner meshes plus a CPU syncer mesh.
 
 Single-controller, Pathways-style: one process sees every device and carves it into disjoint learner
-meshes (a TPU slice, a GPU host or a few fake CPU devices each) and a syncer mesh of CPU devices. On a
-CPU-only box learners and syncer share the fake host devices; on TPU or GPU the syncer takes the host's
-CPU devices. With config.devices.learners_sharing_devices = n, consecutive groups of n learners get
+meshes, each inside one slice (a TPU slice, a GPU host, or a run of fake CPU devices: which devices
+a learner gets is runtime/core/slices.py's) and a syncer mesh of CPU devices. On a CPU-only box
+learners and syncer share the fake host devices; on TPU or GPU the syncer takes the host's CPU
+devices. With config.devices.learners_sharing_devices = n, consecutive groups of n learners get
 one set of devices between them (each its own Mesh object over the same devices): M learners on
 one GPU. How their steps share those devices is runtime/core/device_share.py's.
 """
@@ -16,10 +17,12 @@ import re
 
 import jax
 import numpy as np
+from absl import logging
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from decoupled_diloco import errors
-from decoupled_diloco.runtime.core import throughput
+from decoupled_diloco.runtime.core import slices as slices_lib
 
 # Every learner mesh has all three axes; a (data, model) shape has fsdp = 1 (see model.py's rules).
 LEARNER_AXES = ("data", "fsdp", "model")
@@ -80,13 +83,21 @@ def build_meshes(
     syncer_devices: int,
     platform: str,
     learners_sharing_devices: int = 1,
+    *,
+    fake_slice_size: int = 0,
+    tpu_topologies: tuple[str, ...] = (),
+    one_job: bool = False,
 ) -> tuple[list[Mesh], Mesh | None]:
   """Partitions the devices into learner meshes (data, fsdp, model) and a syncer mesh (learner,).
 
-  Learners take consecutive devices of `platform` in order, each group of
-  `learners_sharing_devices` consecutive learners (of one shape: settings.py checks it) the same
-  ones; the syncer takes the CPU devices that follow them (on a CPU-only run) or the first CPU
-  devices (on TPU / GPU, where the host CPUs are separate from the accelerators).
+  Every learner's mesh lies inside one slice (runtime/core/slices.py: a TPU slice, a host, or on
+  fake CPU devices a run of `fake_slice_size`), of the TPU generation its `tpu_topologies` entry
+  names; each group of `learners_sharing_devices` consecutive learners (of one shape: settings.py
+  checks it) gets the same devices. `one_job`: the devices are one learner's whatever slices they
+  span (dp mode's one synchronous job, whose all-reduce is what it costs; a learner process of
+  the Ray runtime, whose jax.distributed job is its slice). The syncer takes the CPU devices no
+  learner holds (a CPU-only run) or the first CPU devices (on TPU / GPU, where the host CPUs are
+  separate from the accelerators).
   """
   try:
     devices = jax.devices(platform)
@@ -104,17 +115,28 @@ def build_meshes(
         f"config.learner_mesh_shapes={learner_mesh_shapes}{shared} (+ config.syncer.num_devices="
         f"{syncer_devices} on CPU) need {total_needed} {platform} devices but only {len(devices)} "
         f"exist; raise config.devices.num_fake_cpu_devices or shrink the meshes")
-  learner_meshes = []
-  start = 0
-  for index, shape in enumerate(learner_mesh_shapes):
-    count = math.prod(learner_axes(shape))
-    learner_meshes.append(learner_mesh(devices[start:start + count], shape))
-    if index % sharing == sharing - 1:  # the group's last learner: the next group moves on
-      start += count
+  slice_list = slices_lib.group_slices(devices, fake_slice_size if cpu_shared else 0)
+  if one_job:
+    (shape,) = learner_mesh_shapes
+    ordered = [d for s in slice_list for d in s.devices]
+    placements = [slices_lib.Placement(0, slice_list[0], tuple(ordered[:math.prod(shape)]))]
+  else:
+    placements = slices_lib.place(
+        slice_list, [math.prod(shape) for shape in learner_mesh_shapes],
+        generations=[name.split(":")[0] for name in tpu_topologies], sharing=sharing,
+        what=[f"config.learner_mesh_shapes[{m}]={shape}"
+              for m, shape in enumerate(learner_mesh_shapes)])
+  if len(slice_list) > 1 and not one_job:
+    for p in placements:
+      logging.info("learner %d on %s (%d of its %d x %s)", p.learner, p.slice.name,
+                   len(p.devices), len(p.slice.devices), p.slice.kind)
+  learner_meshes = [placed_mesh(p, shape) for p, shape in zip(placements, learner_mesh_shapes)]
   syncer_mesh = None
   if syncer_devices:
     if cpu_shared:
-      syncer_chunk = devices[start:start + syncer_devices]
+      held = {d.id for p in placements for d in p.devices}
+      syncer_chunk = [d for d in sorted(devices, key=lambda d: d.id)
+                      if d.id not in held][:syncer_devices]
     else:
       cpus = jax.devices("cpu")
       if syncer_devices > len(cpus):
@@ -126,18 +148,21 @@ def build_meshes(
   return learner_meshes, syncer_mesh
 
 
+def placed_mesh(placement: slices_lib.Placement, shape: tuple[int, ...]) -> Mesh:
+  """A learner's mesh over its placed devices. A whole TPU slice is laid out by its chips'
+  physical positions (`mesh_utils.create_device_mesh`, so mesh axes follow the torus); anything
+  else (part of a slice, CPU, GPU) keeps the physical order the placement gives."""
+  devices = placement.devices
+  if placement.whole_slice and getattr(devices[0], "coords", None) is not None:
+    try:
+      grid = mesh_utils.create_device_mesh(learner_axes(shape), devices=list(devices))
+      return Mesh(grid, LEARNER_AXES)
+    except (ValueError, NotImplementedError, AssertionError):
+      pass  # a layout the physical-mesh rules do not cover: the physical order below
+  return learner_mesh(devices, shape)
+
+
 def learner_mesh(devices, shape: tuple[int, ...]) -> Mesh:
   """A learner's (data, fsdp, model) mesh over `devices`, in their order: this host's devices or
   the compile-only devices of a TPU topology (runtime/tpu_aot.py)."""
   return Mesh(np.array(devices).reshape(learner_axes(shape)), LEARNER_AXES)
-
-
-def check_tpu_topologies(meshes, topologies: tuple[str, ...]) -> None:
-  """Each learner's chips are of the generation its config.devices.tpu_topologies entry names."""
-  for index, (mesh, name) in enumerate(zip(meshes, topologies)):
-    kind = mesh.devices.flat[0].device_kind
-    chip = throughput.tpu_chip(kind)
-    generation = name.split(":")[0]
-    if chip is None or chip.generation != generation:
-      raise errors.InputError(f"config.devices.tpu_topologies[{index}]={name!r} but learner "
-                              f"{index}'s devices are {kind} chips")

@@ -181,7 +181,8 @@ class LearnerProcess:
     if settings.devices.platform == "cpu":
       devices_lib.request_fake_cpu_devices(math.prod(shape) // self._processes)
     assembly.use_compilation_cache(settings.compilation_cache_dir)
-    (mesh,), _ = devices_lib.build_meshes((shape,), 0, settings.devices.platform)
+    # This process's jax.distributed job is the learner: its devices, one slice, are all its.
+    (mesh,), _ = devices_lib.build_meshes((shape,), 0, settings.devices.platform, one_job=True)
     dataset = assembly.load_dataset(settings)
     graphdef, initial = assembly.initial_params(settings, mesh)
     tx = assembly.inner_optimizer(settings)
