@@ -1,8 +1,9 @@
 """Reference config for Cloud TPU: a Gemma-2B-shaped decoder, 8 learners of one v5p-128 slice each.
 
 Start from this on a Pathways / multi-slice TPU deployment: one controller sees all 8 x 64 chips and
-carves them into 8 learner meshes of (data=2, fsdp=8, model=4), weights and optimizer state fully
-sharded, blocks rematerialised; the syncer runs on host CPUs. Never run on a TPU so far, but
+carves them into 8 learner meshes of (data=2, fsdp=8, model=4), one per slice (docs/tpu_pods.md;
+compiled so on an 8-slice pod in results/aot_gemma_2b_v5p_multislice.md), weights and optimizer
+state fully sharded, blocks rematerialised; the syncer runs on host CPUs. Never run on a TPU so far, but
 compiled for its v5p:4x4x4 slice by the TPU compiler (scripts/aot_compile.py,
 results/aot_gemma_2b_v5p.md): every learner program fits, the train step in 16% of a chip's HBM,
 unchanged from the layout checked on fake CPU devices (tests/test_experiments.py,

@@ -2,10 +2,11 @@
 
 The paper's quorum / grace experiment: learners on two TPU generations step about 18% apart, the
 syncer merges with K = 1 and an adaptive grace window so that no learner waits. One controller sees
-all chips; the first four meshes are the v6e slices (64 chips each, data=2 x fsdp=8 x model=4), the
-last four the v5p slices (32 chips each, data=1 x fsdp=8 x model=4). On a real multi-slice
-deployment, order `jax.devices()` so each learner's chips are one slice (the runtime takes
-consecutive devices). Compiled for both slices by the TPU compiler (scripts/aot_compile.py,
+all chips; the first four learners get v6e slices (64 chips each, data=2 x fsdp=8 x model=4), the
+last four v5p slices (32 chips each, data=1 x fsdp=8 x model=4): the run matches each learner to a
+slice of the generation its tpu_topologies entry names, whatever order the devices come in
+(runtime/core/slices.py; results/aot_hetero_v6e_v5p_multislice.md places them on a 4 + 4 slice
+pod). Compiled for both slices by the TPU compiler (scripts/aot_compile.py,
 results/aot_hetero_v6e_v5p.md), unchanged: the train step needs 27% of a v6e chip's HBM and 19% of
 a v5p's; by the roofline both step in about 0.45 s (the v6e ones HBM-bound by attention at 8,192
 tokens), closer than the paper's 18%.

@@ -3,6 +3,7 @@ r"""Compiles every learner program of an experiment for its real TPU topology, o
   python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py
   python scripts/aot_compile.py --config=experiments/tiny_cpu.py --topology=v5p:2x2x1
   python scripts/aot_compile.py --config=experiments/dense_5b_v5p.py --config.model.remat=auto
+  python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py --num_slices=8
 
 No TPU is needed: libtpu (the `tpu` extra) gives the compile-only devices of a named topology and
 the TPU compiler (runtime/tpu_aot.py). Each distinct learner is compiled on its topology (the
@@ -12,7 +13,11 @@ HBM per chip against the chip's, the compiled matmul FLOPs beside lm/flops.py's,
 with its bytes and mesh axes; for the train step a roofline (step time, MFU ceiling, tokens/s per
 slice); and for the syncer the merges falling due at that pace, their bytes, a merge of the
 median fragment timed on this host, and the `syncer.num_workers` that keep up.
-Writes results/aot_<experiment>.json and .md (--out_dir).
+With --num_slices=N the learners are compiled as on a multi-slice pod: N slices of each topology,
+every learner placed by the run's own carving on a slice of its own and compiled on its devices,
+with the slice it landed on and whether any of its collectives joins devices of two slices.
+Writes results/aot_<experiment>.json and .md (aot_<experiment>_multislice.* with --num_slices;
+--out_dir).
 """
 
 import datetime
@@ -33,6 +38,7 @@ from ml_collections import config_flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from decoupled_diloco import errors  # pylint: disable=g-import-not-at-top
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime.core import slices
 from decoupled_diloco.runtime.core import syncer_load
 from decoupled_diloco.runtime import tpu_aot
 
@@ -40,6 +46,12 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _TOPOLOGY = flags.DEFINE_string(
     "topology", None, "TPU topology of every learner (v5p:4x4x4, v6e:8x8, v5e:1x1); default each "
     "learner's config.devices.tpu_topologies entry.")
+_NUM_SLICES = flags.DEFINE_integer(
+    "num_slices", 0, "Compile for a multi-slice pod: this many slices of each topology the "
+    "learners name, every learner placed on its own slice by the run's carving and compiled on "
+    "that slice's devices; the report says where each landed and whether any collective joins "
+    "two slices. 0: each distinct learner once, on its topology alone. Writes "
+    "aot_<experiment>_multislice.*")
 _OUT_DIR = flags.DEFINE_string("out_dir", "results", "Where aot_<experiment>.{json,md} go.")
 _NAME = flags.DEFINE_string("name", None, "Report name; default the config file's.")
 _MERGE_TIMING = flags.DEFINE_bool("merge_timing", True, "Time the syncer's merge on this host.")
@@ -74,6 +86,8 @@ def _program_record(p):
                                    if p.analytic_flops else None),
         "hbm_bytes_per_chip": hlo.hbm_bytes, "ici_bytes_per_chip": hlo.ici_bytes_per_chip,
         "unknown_trip_counts": hlo.unknown_trip_counts,
+        "collectives_across_slices": p.collectives_across_slices,
+        "megascale_transfers": p.megascale_transfers,
         "xla_cost_analysis_loops_once": p.cost_analysis,
         "collectives": [{"kind": c.kind, "axes": list(c.axes), "group_size": c.group_size,
                          "count": c.count, "bytes": c.bytes,
@@ -87,6 +101,11 @@ def _learner_record(report):
       "learners": list(target.learners), "topology": target.topology, "chips": report.chips,
       "device_kind": target.device_kind,
       "mesh": dict(zip(target.mesh.axis_names, map(int, target.mesh.devices.shape))),
+      "slice": target.slice.index if target.slice is not None else None,
+      "slices_spanned": (len({slices.slice_key(d) for d in target.placed.devices.flat})
+                         if target.placed is not None else None),
+      "compiled_on": (sorted({slices.slice_key(d)[1] for d in target.mesh.devices.flat})
+                      if target.placed is not None else None),
       "batch_size": report.batch_size, "seq_len": report.seq_len,
       "hbm_bytes": chip.hbm_bytes, "usable_hbm_bytes": chip.hbm_usable_bytes,
       "worst_program": report.worst.program,
@@ -120,7 +139,13 @@ def _syncer_record(load):
 
 
 def _markdown(doc):
+  pod = doc.get("pod")
   out = [f"# Ahead-of-time TPU compile: {doc['experiment']}", "",
+         *([f"A pod of {pod['num_slices']} slices of each of {', '.join(pod['topologies'])}, "
+            "as one controller sees it (devices shuffled, each with its slice_index): every "
+            "learner placed on its own slice by the run's carving (runtime/core/slices.py) and "
+            "compiled for it (off slice 0 on slice 0's chips at the same positions: the "
+            "compile-only pod compiles no program without slice 0).", ""] if pod else []),
          f"`{doc['command']}` on {doc['host']} ({doc['date']}), jax {doc['jax']}, libtpu "
          f"{doc['libtpu']}: {doc['wall_s']:.0f} s in all. model.remat={doc['remat']}"
          + (f" (auto, {doc['remat_s']:.0f} s: of the usable HBM per chip the train step needs "
@@ -129,9 +154,23 @@ def _markdown(doc):
   for learner in doc["learners"]:
     mesh = " x ".join(f"{k}={v}" for k, v in learner["mesh"].items())
     ids = learner["learners"]
-    out += [f"## Learner{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: "
+    where = f" on slice {learner['slice']}" if learner.get("slice") is not None else ""
+    out += [f"## Learner{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}{where}: "
             f"{learner['topology']} ({learner['chips']} x {learner['device_kind']}), {mesh}, "
-            f"{learner['batch_size']} x {learner['seq_len']} tokens per step", "",
+            f"{learner['batch_size']} x {learner['seq_len']} tokens per step", ""]
+    if learner.get("slice") is not None:
+      kinds = sum(len(p.get("collectives", [])) for p in learner["programs"])
+      across = sum(p.get("collectives_across_slices") or 0 for p in learner["programs"])
+      transfers = sum(p.get("megascale_transfers") or 0 for p in learner["programs"])
+      moved = (" (compiled on slice 0's chips at the same positions: the compile-only pod "
+               "compiles no program without slice 0)" if learner["slice"] else "")
+      out += [f"Its mesh spans {learner['slices_spanned']} slice(s){moved}; of its programs' "
+              f"{kinds} collectives (kind x mesh axes), "
+              + (f"**{across} join devices of two slices**" if across else
+                 "none joins devices of two slices: all stay on the slice's ICI")
+              + f"; cross-slice (megascale) transfers in the compiled programs: {transfers}.",
+              ""]
+    out += [
             f"HBM per chip: {_gib(learner['usable_hbm_bytes']):.2f} GiB usable of "
             f"{_gib(learner['hbm_bytes']):.0f} GiB; the most demanding program while training "
             f"({learner['worst_program']}) "
@@ -212,7 +251,7 @@ def main(argv):
   config.devices.num_fake_cpu_devices = 0
   try:
     settings = settings_lib.validate(config)
-    targets = tpu_aot.learner_targets(settings, _TOPOLOGY.value)
+    targets = tpu_aot.learner_targets(settings, _TOPOLOGY.value, _NUM_SLICES.value)
   except ValueError as err:
     raise errors.InputError(f"Invalid config: {err}") from err
   configured_remat = settings.model.remat
@@ -229,10 +268,14 @@ def main(argv):
         for policy, fits in tried.items())
   reports = []
   for target in targets:
-    print(f"compiling learner(s) {list(target.learners)} on {target.topology} ...", flush=True)
-    reports.append(tpu_aot.compile_learner(settings, target, with_eval=0 in target.learners))
+    where = f", {target.slice.name}" if target.slice is not None else ""
+    print(f"compiling learner(s) {list(target.learners)} on {target.topology}{where} ...",
+          flush=True)
+    first = 0 in target.learners
+    reports.append(tpu_aot.compile_learner(settings, target, with_eval=first,
+                                           with_sampling=first or not _NUM_SLICES.value))
   name = _NAME.value or pathlib.Path(sys.argv[[a.startswith("--config=") for a in sys.argv].index(
-      True)].split("=", 1)[1]).stem
+      True)].split("=", 1)[1]).stem + ("_multislice" if _NUM_SLICES.value else "")
   doc = {
       "experiment": name, "command": " ".join(["python scripts/aot_compile.py"] + sys.argv[1:]),
       "host": f"{os.cpu_count()} CPU cores, {platform.machine()}",
@@ -242,6 +285,9 @@ def main(argv):
       f"auto -> {settings.model.remat}", "remat_tried": remat_tried, "remat_s": remat_s,
       "learners": [_learner_record(r) for r in reports],
   }
+  if _NUM_SLICES.value:
+    doc["pod"] = {"num_slices": _NUM_SLICES.value,
+                  "topologies": sorted({t.topology for t in targets})}
   steps = [r.roofline.step_s for r in reports if r.roofline is not None]
   if _MERGE_TIMING.value and settings.sync is not None and steps:
     print("timing a merge of the median fragment on this host ...", flush=True)

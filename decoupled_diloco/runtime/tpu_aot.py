@@ -26,11 +26,13 @@ import dataclasses
 import functools
 import math
 import os
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import receive
@@ -41,6 +43,7 @@ from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import sampling
 from decoupled_diloco.runtime import assembly
 from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import slices as slices_lib
 from decoupled_diloco.runtime.core import throughput
 from decoupled_diloco.runtime.hardware import hlo_analysis
 from decoupled_diloco.runtime.hardware import memory_fit
@@ -49,13 +52,15 @@ from decoupled_diloco.runtime.hardware import memory_fit
 _SAMPLE_TOP_K = 40
 
 
-def topology_devices(name: str) -> tuple[jax.Device, ...]:
-  """The compile-only devices of TPU topology `name` ("v5p:4x4x4", "v6e:8x8", "v5e:1x1")."""
-  return _topology_devices(name)
+def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
+  """The compile-only devices of TPU topology `name` ("v5p:4x4x4", "v6e:8x8", "v5e:1x1"); with
+  `num_slices` > 1 those of that many such slices, each device carrying its `slice_index`, as one
+  controller sees a multi-slice pod."""
+  return _topology_devices(name, num_slices)
 
 
 @functools.cache
-def _topology_devices(name: str) -> tuple[jax.Device, ...]:
+def _topology_devices(name: str, num_slices: int) -> tuple[jax.Device, ...]:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   # libtpu reads these once, when it starts; on a host that is not a TPU VM it has no metadata
   # server to learn them from and prints warnings instead. The topology name is what counts.
@@ -65,8 +70,10 @@ def _topology_devices(name: str) -> tuple[jax.Device, ...]:
   # chips owns none, and two compiles at once (a test suite beside scripts/aot_compile.py) must
   # not abort each other.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  slices = {"num_slices": num_slices} if num_slices > 1 else {}
   try:
-    return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                              **slices).devices)
   except jax.errors.JaxRuntimeError as err:
     if "chips_per_host_bounds" not in str(err):
       raise
@@ -74,7 +81,7 @@ def _topology_devices(name: str) -> tuple[jax.Device, ...]:
   dims = [int(d) for d in name.split(":")[1].split("x")]
   bounds = tuple(dims + [1] * (3 - len(dims)))
   return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu",
-                                            chips_per_host_bounds=bounds).devices)
+                                            chips_per_host_bounds=bounds, **slices).devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +91,10 @@ class LearnerTarget:
   learners: tuple[int, ...]
   topology: str
   mesh: jax.sharding.Mesh
+  # On a multi-slice pod (`multislice_targets`): the slice it was placed on, and its mesh there
+  # (`mesh` is what it is compiled on: the same chips of slice 0, see there).
+  slice: slices_lib.Slice | None = None
+  placed: jax.sharding.Mesh | None = None
 
   @property
   def index(self) -> int:
@@ -94,17 +105,28 @@ class LearnerTarget:
     return self.mesh.devices.flat[0].device_kind
 
 
-def learner_targets(settings: settings_lib.RunSettings, topology: str | None = None
-                    ) -> list[LearnerTarget]:
-  """Each distinct learner's mesh on its topology: `topology` for all, else the learner's
-  config.devices.tpu_topologies entry. A mesh smaller than its topology takes its first chips."""
-  meshes, names = [], []
-  for index, shape in enumerate(settings.learner_mesh_shapes):
+def _topology_names(settings: settings_lib.RunSettings, topology: str | None) -> list[str]:
+  names = []
+  for index in range(settings.num_learners):
     name = topology or (settings.devices.tpu_topologies[index]
                         if settings.devices.tpu_topologies else "")
     if not name:
       raise ValueError(f"learner {index} names no TPU topology: give --topology or set "
                        f"config.devices.tpu_topologies")
+    names.append(name)
+  return names
+
+
+def learner_targets(settings: settings_lib.RunSettings, topology: str | None = None,
+                    num_slices: int = 0) -> list[LearnerTarget]:
+  """Each distinct learner's mesh on its topology: `topology` for all, else the learner's
+  config.devices.tpu_topologies entry. A mesh smaller than its topology takes its first chips.
+  `num_slices` > 0: every learner on its own slice of a multi-slice pod (`multislice_targets`)."""
+  if num_slices:
+    return multislice_targets(settings, topology, num_slices)
+  meshes, names = [], []
+  for index, (shape, name) in enumerate(zip(settings.learner_mesh_shapes,
+                                            _topology_names(settings, topology))):
     devices = topology_devices(name)
     needed = math.prod(shape)
     if needed > len(devices):
@@ -114,6 +136,51 @@ def learner_targets(settings: settings_lib.RunSettings, topology: str | None = N
     names.append(name)
   return [LearnerTarget(tuple(group), names[group[0]], meshes[group[0]])
           for group in assembly.distinct_learners(settings, meshes)]
+
+
+def multislice_targets(settings: settings_lib.RunSettings, topology: str | None,
+                       num_slices: int) -> list[LearnerTarget]:
+  """Every learner (every group sharing devices) on the slice the run's own carving gives it
+  (runtime/core/slices.py) in a pod of `num_slices` slices of each topology the learners name,
+  as one controller sees such a pod: its devices, shuffled as a controller may list them, each
+  carrying its slice_index. A layout the pod cannot hold is refused as a run refuses it.
+
+  A learner placed on slice k > 0 is compiled on the chips of slice 0 at the same coordinates:
+  the same program on an identical slice. The compile-only pod's compiler refuses any program
+  whose devices leave out slice 0 ("INVALID_ARGUMENT: Slice is empty.", libtpu with jax 0.10.2;
+  slices 1 and 2 together abort it), which a runtime that runs programs on single slices, as
+  Pathways does, never asks of it."""
+  names = _topology_names(settings, topology)
+  pod = [d for name in dict.fromkeys(names) for d in topology_devices(name, num_slices)]
+  random.Random(0).shuffle(pod)
+  shapes = settings.learner_mesh_shapes
+  placements = slices_lib.place(
+      slices_lib.group_slices(pod), [math.prod(shape) for shape in shapes],
+      generations=[name.split(":")[0] for name in names],
+      sharing=settings.devices.learners_sharing_devices,
+      what=[f"config.learner_mesh_shapes[{m}]={shape}" for m, shape in enumerate(shapes)])
+  sharing = settings.devices.learners_sharing_devices
+  targets = []
+  for m in range(0, settings.num_learners, sharing):
+    placed = devices_lib.placed_mesh(placements[m], shapes[m])
+    targets.append(LearnerTarget(tuple(range(m, m + sharing)), names[m],
+                                 _on_first_slice(placed, pod), placements[m].slice, placed))
+  return targets
+
+
+def _on_first_slice(mesh: jax.sharding.Mesh, pod) -> jax.sharding.Mesh:
+  """`mesh` with each device replaced by slice 0's chip of its kind at the same position; as it
+  is where the mesh lies in slice 0 already, or spans several slices (then no chip is moved)."""
+  grid = mesh.devices
+  keys = {slices_lib.slice_key(d) for d in grid.flat}
+  if len(keys) > 1 or next(iter(keys))[1] == 0:
+    return mesh
+  kind = grid.flat[0].device_kind
+  first = {(tuple(d.coords), getattr(d, "core_on_chip", 0)): d for d in pod
+           if slices_lib.slice_key(d) == ("slice", 0, kind)}
+  moved = np.vectorize(lambda d: first[(tuple(d.coords), getattr(d, "core_on_chip", 0))],
+                       otypes=[object])(grid)
+  return jax.sharding.Mesh(moved, mesh.axis_names)
 
 
 @dataclasses.dataclass
@@ -129,6 +196,12 @@ class ProgramReport:
   analytic_flops: float | None = None  # per chip, lm/flops.py (train and eval steps)
   count: int = 1  # programs of this kind (the apply: one per stacked tensor kind)
   error: str = ""  # the compiler's error when it failed other than for lack of HBM
+  # Collectives (of hlo.collectives: kind x mesh axes) whose groups join devices of two slices:
+  # on a multi-slice pod they would cross the datacenter network. 0 is what a learner must have.
+  collectives_across_slices: int = 0
+  # The compiler's own sign of the same: transfers it lowered to the datacenter network between
+  # slices (`_xla_megascale_transfer_type` in the compiled program).
+  megascale_transfers: int = 0
 
 
 @dataclasses.dataclass
@@ -210,8 +283,9 @@ def _report(program, compiled, fit, alongside, seconds, mesh, analytic_flops=Non
   report = ProgramReport(program, fit, alongside, seconds, analytic_flops=analytic_flops,
                          count=count)
   if compiled is not None:
-    report.hlo = hlo_analysis.analyse(compiled.as_text(), mesh.axis_names,
-                                      tuple(mesh.devices.shape))
+    text = compiled.as_text()
+    report.hlo = hlo_analysis.analyse(text, mesh.axis_names, tuple(mesh.devices.shape))
+    report.megascale_transfers = text.count("_xla_megascale_transfer_type=")
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.cost_analysis = {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
@@ -219,8 +293,10 @@ def _report(program, compiled, fit, alongside, seconds, mesh, analytic_flops=Non
 
 
 def compile_learner(settings: settings_lib.RunSettings, target: LearnerTarget, *,
-                    with_eval: bool = True) -> LearnerReport:
-  """Compiles every program of `target` (see the module docstring) and measures each."""
+                    with_eval: bool = True, with_sampling: bool = True) -> LearnerReport:
+  """Compiles every program of `target` (see the module docstring) and measures each; the eval
+  and sampling steps only `with_eval` / `with_sampling` (a run evaluates and samples on learner
+  0's mesh)."""
   mesh, index = target.mesh, target.index
   cfg, seq_len = settings.model, settings.data.seq_len
   chip = throughput.tpu_chip(target.device_kind)
@@ -264,10 +340,18 @@ def compile_learner(settings: settings_lib.RunSettings, target: LearnerTarget, *
   programs.append(_apply_report(settings, like, shardings, usable, mesh, state_bytes,
                                 params_bytes))
 
-  programs.append(_measure(
-      "sampling_step", sampling.lower_next_token(cfg, like.params, top_k=_SAMPLE_TOP_K),
-      alongside_bytes=0, alongside="nothing (it runs after training)", usable=usable, mesh=mesh))
+  if with_sampling:
+    programs.append(_measure(
+        "sampling_step", sampling.lower_next_token(cfg, like.params, top_k=_SAMPLE_TOP_K),
+        alongside_bytes=0, alongside="nothing (it runs after training)", usable=usable,
+        mesh=mesh))
 
+  placed = target.placed if target.placed is not None else mesh
+  for program in programs:  # where the learner was placed, not where it was compiled
+    if program.hlo is not None:
+      program.collectives_across_slices = sum(
+          slices_lib.spans_slices(placed.devices, placed.axis_names, c.axes)
+          for c in program.hlo.collectives)
   roofline = None
   train_report = programs[0]
   if train_report.hlo is not None:
