@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import evaluate
@@ -30,6 +31,7 @@ from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import pathways
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.runtime.faults import checkpoint_faults
 from decoupled_diloco.runtime.faults import injector as injector_lib
@@ -95,8 +97,13 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
   # little of it is the user's to fix and leaves nothing behind.
   data = settings.data
   dataset = assembly.load_dataset(settings)
-  # Before anything touches JAX (reading a checkpoint back does): the platforms and the device
-  # count are fixed then.
+  if transport.learners_in_processes and pathways.in_use():
+    raise errors.InputError(
+        f"config.runtime={settings.runtime!r} but JAX_PLATFORMS={pathways.jax_platforms()!r} names "
+        f"Pathways' proxy backend: under Pathways one controller process runs every learner, "
+        f"with config.runtime='threads'")
+  # Before anything touches JAX (reading a checkpoint back does): the platforms (under Pathways,
+  # pathwaysutils' proxy backend) and the device count are fixed then.
   devices_lib.use_platform(settings.devices.platform)
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   assembly.use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
