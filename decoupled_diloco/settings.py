@@ -76,6 +76,9 @@ class DevicesSettings:
   # job over every learner's chips). A TPU run checks its chips' generation against it;
   # scripts/aot_compile.py compiles each learner for it.
   tpu_topologies: tuple[str, ...]
+  # Under Pathways (JAX_PLATFORMS=proxy): seconds between two checks whether a learner's lost
+  # slice is back (runtime/control/slice_watch.py). Unused elsewhere.
+  slice_poll_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,7 +801,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       num_fake_cpu_devices=_check_int(config, "devices.num_fake_cpu_devices", 0),
       learners_sharing_devices=_learners_sharing_devices(config, num_learners, mesh_shapes),
       memory_per_device_gb=_check_float(config, "devices.memory_per_device_gb", 0.0),
-      tpu_topologies=_tpu_topologies(config, num_learners, mesh_shapes))
+      tpu_topologies=_tpu_topologies(config, num_learners, mesh_shapes),
+      slice_poll_s=_check_float(config, "devices.slice_poll_s", 0.0, low_open=True))
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),

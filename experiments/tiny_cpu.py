@@ -126,6 +126,10 @@ def get_config() -> ml_collections.ConfigDict:
   # experiments name them: a TPU run checks its chips against it, and scripts/aot_compile.py
   # compiles every learner program for it on any host. () = none (CPU).
   config.devices.tpu_topologies = ()
+  # Pathways only (JAX_PLATFORMS=proxy): seconds between two checks whether a learner's lost
+  # slice is back, each a small program on that slice (pathwaysutils' health check; its default
+  # interval). The learner rejoins at the first check that finds it back. > 0.
+  config.devices.slice_poll_s = 10.0
 
   config.num_learners = 4  # M: learners, each training on a mesh of its own
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or

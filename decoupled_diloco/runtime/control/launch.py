@@ -26,6 +26,7 @@ from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import assembly
 from decoupled_diloco.runtime.control import job_restart
 from decoupled_diloco.runtime.control import run as run_lib
+from decoupled_diloco.runtime.control import slice_watch as slice_watch_lib
 from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
@@ -82,8 +83,13 @@ def _open_checkpoints(settings: settings_lib.RunSettings
 
 def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, *,
               step_hook: Callable[[int, int], None] | None = None,
-              with_syncer: bool = True) -> run_lib.Run:
-  """Partitions devices, builds learners and syncer over `transport` and compiles their steps."""
+              with_syncer: bool = True,
+              lost_slices: slice_watch_lib.SliceWatch | None = None) -> run_lib.Run:
+  """Partitions devices, builds learners and syncer over `transport` and compiles their steps.
+
+  `lost_slices`: which learner failures are lost slices and when those are back; by default
+  pathwaysutils' answers under Pathways, and none elsewhere (every failure is the learner's own).
+  """
   start = time.perf_counter()
   build_started_at = time.monotonic()
   if settings.replay:
@@ -230,7 +236,8 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
     supervisor = supervisor_lib.Supervisor(
         learners, current_syncer, init_opt_state=jax.jit(tx.init), repaired_at=repaired_at,
         max_restarts=settings.max_restarts, metrics=metrics, late_learners=held_back,
-        on_join=injector.record_join if injector is not None else None)
+        on_join=injector.record_join if injector is not None else None,
+        lost_slices=lost_slices or _pathways_slices(settings, learner_meshes))
     supervisor.restarts = list(history["restarts"])
     supervisor.start_steps = list(history["start_steps"])
     supervisor_box[0] = supervisor
@@ -300,6 +307,15 @@ def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[st
       logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
                    "step %d and the syncer's Theta", m, peer.index, peer.step)
   return cuts
+
+
+def _pathways_slices(settings: settings_lib.RunSettings, learner_meshes
+                     ) -> slice_watch_lib.SliceWatch | None:
+  """Under Pathways, lost slices as pathwaysutils classifies and checks them; None elsewhere."""
+  if not pathways.in_use():
+    return None
+  return slice_watch_lib.for_pathways([list(mesh.devices.flat) for mesh in learner_meshes],
+                                      settings.devices.slice_poll_s)
 
 
 def _chain_hooks(*hooks):
