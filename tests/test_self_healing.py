@@ -216,14 +216,29 @@ def test_a_lost_slice_fails_only_its_learner_which_rejoins_once_its_slice_is_bac
   run = train.build(tiny_settings(tmp_path, max_restarts=0), step_hook=lose_learner_1s_slice,
                     lost_slices=watch)
   first = run.learners[1]
+  polls_since_failure = []  # the supervisor's, each ended after it had recorded the failure
+  poll = run.supervisor.poll
 
-  def others_stepped_on():
-    return first.failed_at is not None and all(
+  def counted_poll():
+    restarted = poll()
+    if run.supervisor.records:
+      polls_since_failure.append(restarted)
+    return restarted
+
+  run.supervisor.poll = counted_poll
+
+  def others_stepped_on():  # and the supervisor has seen the failure: it would have rejoined it
+    return first.failed_at is not None and len(polls_since_failure) >= 2 and all(
         sum(1 for t, m, _ in log.events if m == other and t > first.failed_at) >= 3
         for other in (0, 2, 3))
 
-  bring_back = act_when(others_stepped_on, lambda: (came_back.append(time.monotonic()),
-                                                    slice_back.set()))
+  def bring_slice_back():
+    came_back.append(time.monotonic())
+    still_down.append(run.learners[1] is first and not any(polls_since_failure))
+    slice_back.set()
+
+  still_down = []  # whether learner 1 was still its failed incarnation when its slice came back
+  bring_back = act_when(others_stepped_on, bring_slice_back)
   summary = train.execute(run, progress=False)
   bring_back.join()
   [failure] = summary["failures"]
@@ -234,7 +249,7 @@ def test_a_lost_slice_fails_only_its_learner_which_rejoins_once_its_slice_is_bac
   assert summary["learner_errors"] == [None] * 4 and summary["learner_steps"] == [24] * 4
   assert run.supervisor.restarts == [0] * 4  # nothing counted against max_restarts
   # It waited for its slice, checked only its own, and rejoined once a check found it back.
-  assert came_back and set(checked) == {1}
+  assert still_down == [True] and set(checked) == {1}
   assert run.started_at + failure["slice_back_at_s"] >= came_back[0] - 1e-3
   assert failure["repaired_at_s"] >= failure["slice_back_at_s"]
   for other in (0, 2, 3):
