@@ -16,13 +16,15 @@ from decoupled_diloco import command_line
 from decoupled_diloco import errors
 from decoupled_diloco import replay_config
 from decoupled_diloco import settings
+from decoupled_diloco.runtime.core import pathways
 from decoupled_diloco.runtime.records import checkpoints
 from decoupled_diloco.runtime.records import event_tape
 from decoupled_diloco.runtime import train
 
 # What a start-up failure's line begins with; any other input error is "Invalid config".
 _PREFIXES = ((checkpoints.CheckpointError, "Cannot resume"),
-             (event_tape.TapeError, "Cannot replay"))
+             (event_tape.TapeError, "Cannot replay"),
+             (pathways.PathwaysUnavailable, "Cannot start under Pathways"))
 
 
 def _remove_stub(workdir: str) -> None:

@@ -79,6 +79,9 @@ class DevicesSettings:
   # Fake CPU devices grouped by id into emulated slices of this many (runtime/core/slices.py); 0 =
   # none. CPU only: TPU devices carry their slice_index.
   fake_slice_size: int
+  # Under Pathways (JAX_PLATFORMS=proxy): seconds between two checks whether a learner's lost
+  # slice is back (runtime/control/slice_watch.py). Unused elsewhere.
+  slice_poll_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -813,7 +816,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
       learners_sharing_devices=_learners_sharing_devices(config, num_learners, mesh_shapes),
       memory_per_device_gb=_check_float(config, "devices.memory_per_device_gb", 0.0),
       tpu_topologies=_tpu_topologies(config, num_learners, mesh_shapes),
-      fake_slice_size=_fake_slice_size(config))
+      fake_slice_size=_fake_slice_size(config),
+      slice_poll_s=_check_float(config, "devices.slice_poll_s", 0.0, low_open=True))
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),

@@ -132,6 +132,10 @@ def get_config() -> ml_collections.ConfigDict:
   # crosses two), so this tests the carving a multi-slice TPU run gets. 0 = none: the host's
   # devices are one group, learners take consecutive devices of it. CPU only.
   config.devices.fake_slice_size = 0
+  # Pathways only (JAX_PLATFORMS=proxy): seconds between two checks whether a learner's lost
+  # slice is back, each a small program on that slice (pathwaysutils' health check; its default
+  # interval). The learner rejoins at the first check that finds it back. > 0.
+  config.devices.slice_poll_s = 10.0
 
   config.num_learners = 4  # M: learners, each training on a mesh of its own
   # Mesh shape of each learner: one entry for all learners, or one per learner. (data, model), or

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Shared set-up of scripts/train.sh and scripts/test.sh: create .venv if missing and install the
-# package (with its test and tpu extras) into it. Re-installs only when pyproject.toml changed.
+# package (with its test, tpu and pathways extras) into it. Re-installs only when pyproject.toml changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -13,7 +13,7 @@ fi
 stamp="$venv/.installed-$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing decoupled-diloco and its dependencies into $venv (first time: a few minutes)"
-  "$venv/bin/python" -m pip install -q -e "$root[test,tpu]"
+  "$venv/bin/python" -m pip install -q -e "$root[test,tpu,pathways]"
   rm -f "$venv"/.installed-*
   touch "$stamp"
 fi

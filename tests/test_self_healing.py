@@ -7,13 +7,17 @@ faults from `config.chaos` or a failing step hook, and checks an invariant the r
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from conftest import act_when
 from conftest import hold_repair
 from conftest import tiny_settings
 from conftest import wait_until
+from decoupled_diloco.runtime.control import slice_watch
 from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import pathways
 from decoupled_diloco.runtime import train
 
 
@@ -184,6 +188,96 @@ def test_a_failure_the_runtime_did_not_inject_is_healed_the_same_way(tmp_path):
   assert summary["faults"] == [] and summary["rejoins"] == 1
   [failure] = summary["failures"]
   assert "device halted" in failure["error"] and failure["state_from"].startswith("learner ")
+
+
+def test_a_lost_slice_fails_only_its_learner_which_rejoins_once_its_slice_is_back(tmp_path):
+  """Under Pathways: the error is pathwaysutils' lost slice, and the slice check the test's."""
+  log = _StepLog()
+  slice_back = threading.Event()
+  came_back = []  # when the test brought the slice back
+  checked = []  # the learners whose slices were checked
+
+  def slices_active(m):
+    checked.append(m)
+    return slice_back.is_set()
+
+  def lose_learner_1s_slice(learner, step):
+    log(learner, step)
+    if learner == 1 and step == 4 and run.learners[1].incarnation == 0:
+      raise jax.errors.JaxRuntimeError(
+          "DATA_LOSS: the slice of learner 1's devices went down while its program ran")
+    if learner != 1 and step == 4:
+      wait_until(lambda: first.failed_at is not None)  # its peers have steps left after the loss
+    if learner != 1 and step == 20:
+      wait_until(lambda: run.learners[1].incarnation == 1)  # and after it is back
+
+  watch = slice_watch.SliceWatch(pathways.is_lost_slice, slices_active, poll_s=0.01)
+  # max_restarts=0: a failure of the learner's own would keep it down for good.
+  run = train.build(tiny_settings(tmp_path, max_restarts=0), step_hook=lose_learner_1s_slice,
+                    lost_slices=watch)
+  first = run.learners[1]
+  polls_since_failure = []  # the supervisor's, each ended after it had recorded the failure
+  poll = run.supervisor.poll
+
+  def counted_poll():
+    restarted = poll()
+    if run.supervisor.records:
+      polls_since_failure.append(restarted)
+    return restarted
+
+  run.supervisor.poll = counted_poll
+
+  def others_stepped_on():  # and the supervisor has seen the failure: it would have rejoined it
+    return first.failed_at is not None and len(polls_since_failure) >= 2 and all(
+        sum(1 for t, m, _ in log.events if m == other and t > first.failed_at) >= 3
+        for other in (0, 2, 3))
+
+  def bring_slice_back():
+    came_back.append(time.monotonic())
+    still_down.append(run.learners[1] is first and not any(polls_since_failure))
+    slice_back.set()
+
+  still_down = []  # whether learner 1 was still its failed incarnation when its slice came back
+  bring_back = act_when(others_stepped_on, bring_slice_back)
+  summary = train.execute(run, progress=False)
+  bring_back.join()
+  [failure] = summary["failures"]
+  assert failure["learner"] == 1 and "DATA_LOSS" in failure["error"]
+  assert failure["cause"] == "lost_slice" and failure["restarted"]
+  assert summary["lost_slice_failures"] == 1 and summary["application_failures"] == 0
+  assert summary["rejoins"] == 1 and run.learners[1].incarnation == 1
+  assert summary["learner_errors"] == [None] * 4 and summary["learner_steps"] == [24] * 4
+  assert run.supervisor.restarts == [0] * 4  # nothing counted against max_restarts
+  # It waited for its slice, checked only its own, and rejoined once a check found it back.
+  assert still_down == [True] and set(checked) == {1}
+  assert run.started_at + failure["slice_back_at_s"] >= came_back[0] - 1e-3
+  assert failure["repaired_at_s"] >= failure["slice_back_at_s"]
+  for other in (0, 2, 3):
+    during = [t for t, m, _ in log.events if m == other and first.failed_at < t < came_back[0]]
+    assert len(during) >= 3, f"learner {other} must train while learner 1's slice is down"
+
+
+@pytest.mark.parametrize("error", [
+    jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory allocating 2.0G on the device"),
+    RuntimeError("a bug in the learner's step path"),
+], ids=["JaxRuntimeError", "RuntimeError"])
+def test_an_error_of_the_learners_own_fails_it_as_before_under_pathways(tmp_path, error):
+  checked = []
+  watch = slice_watch.SliceWatch(pathways.is_lost_slice, lambda m: checked.append(m) or True,
+                                 poll_s=0.01)
+
+  def fail(learner, step):
+    if learner == 1 and step == 4 and run.learners[1].incarnation == 0:
+      raise error
+
+  run = train.build(tiny_settings(tmp_path, max_restarts=0), step_hook=fail, lost_slices=watch)
+  summary = train.execute(run, progress=False)
+  [failure] = summary["failures"]
+  assert failure["cause"] == "application" and failure["restarted"] is False  # max_restarts=0
+  assert summary["application_failures"] == 1 and summary["lost_slice_failures"] == 0
+  assert summary["rejoins"] == 0 and summary["learner_errors"][1] == repr(error)
+  assert checked == []  # no slice was waited for
+  assert summary["learner_steps"][0] == 24 and np.isfinite(summary["final_eval_loss"])
 
 
 def test_a_learner_failing_more_than_max_restarts_stays_down_and_the_run_goes_on(tmp_path):

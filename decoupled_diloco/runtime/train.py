@@ -23,6 +23,7 @@ from absl import logging
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime.control import launch
 from decoupled_diloco.runtime.control import run as run_lib
+from decoupled_diloco.runtime.control import slice_watch
 from decoupled_diloco.runtime.control.controller import execute
 from decoupled_diloco.runtime.control.replay import replay
 from decoupled_diloco.runtime.control.run import Run, global_params
@@ -44,10 +45,13 @@ def transport_for(settings: settings_lib.RunSettings) -> run_lib.Transport:
 
 def build(settings: settings_lib.RunSettings, *,
           step_hook: Callable[[int, int], None] | None = None,
-          with_syncer: bool = True) -> Run:
-  """Partitions devices, builds learners and syncer and compiles their steps."""
+          with_syncer: bool = True,
+          lost_slices: slice_watch.SliceWatch | None = None) -> Run:
+  """Partitions devices, builds learners and syncer and compiles their steps. `lost_slices`:
+  which learner failures are lost slices, and when those are back (by default pathwaysutils'
+  answers under Pathways, none elsewhere)."""
   return launch.build_run(settings, transport_for(settings), step_hook=step_hook,
-                          with_syncer=with_syncer)
+                          with_syncer=with_syncer, lost_slices=lost_slices)
 
 
 def train_and_evaluate(settings: settings_lib.RunSettings) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from decoupled_diloco import errors
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import evaluate
@@ -25,11 +26,13 @@ from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import assembly
 from decoupled_diloco.runtime.control import job_restart
 from decoupled_diloco.runtime.control import run as run_lib
+from decoupled_diloco.runtime.control import slice_watch as slice_watch_lib
 from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import metrics as metrics_lib
+from decoupled_diloco.runtime.core import pathways
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.runtime.faults import checkpoint_faults
 from decoupled_diloco.runtime.faults import injector as injector_lib
@@ -80,8 +83,13 @@ def _open_checkpoints(settings: settings_lib.RunSettings
 
 def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, *,
               step_hook: Callable[[int, int], None] | None = None,
-              with_syncer: bool = True) -> run_lib.Run:
-  """Partitions devices, builds learners and syncer over `transport` and compiles their steps."""
+              with_syncer: bool = True,
+              lost_slices: slice_watch_lib.SliceWatch | None = None) -> run_lib.Run:
+  """Partitions devices, builds learners and syncer over `transport` and compiles their steps.
+
+  `lost_slices`: which learner failures are lost slices and when those are back; by default
+  pathwaysutils' answers under Pathways, and none elsewhere (every failure is the learner's own).
+  """
   start = time.perf_counter()
   build_started_at = time.monotonic()
   if settings.replay:
@@ -95,8 +103,13 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
   # little of it is the user's to fix and leaves nothing behind.
   data = settings.data
   dataset = assembly.load_dataset(settings)
-  # Before anything touches JAX (reading a checkpoint back does): the platforms and the device
-  # count are fixed then.
+  if transport.learners_in_processes and pathways.in_use():
+    raise errors.InputError(
+        f"config.runtime={settings.runtime!r} but JAX_PLATFORMS={pathways.jax_platforms()!r} names "
+        f"Pathways' proxy backend: under Pathways one controller process runs every learner, "
+        f"with config.runtime='threads'")
+  # Before anything touches JAX (reading a checkpoint back does): the platforms (under Pathways,
+  # pathwaysutils' proxy backend) and the device count are fixed then.
   devices_lib.use_platform(settings.devices.platform)
   devices_lib.request_fake_cpu_devices(settings.devices.num_fake_cpu_devices)
   assembly.use_compilation_cache(settings.compilation_cache_dir)  # before anything compiles
@@ -226,7 +239,8 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
     supervisor = supervisor_lib.Supervisor(
         learners, current_syncer, init_opt_state=jax.jit(tx.init), repaired_at=repaired_at,
         max_restarts=settings.max_restarts, metrics=metrics, late_learners=held_back,
-        on_join=injector.record_join if injector is not None else None)
+        on_join=injector.record_join if injector is not None else None,
+        lost_slices=lost_slices or _pathways_slices(settings, learner_meshes))
     supervisor.restarts = list(history["restarts"])
     supervisor.start_steps = list(history["start_steps"])
     supervisor_box[0] = supervisor
@@ -296,6 +310,15 @@ def _learner_cuts(restored: checkpoints_lib.RestoredCheckpoint, history: dict[st
       logging.info("learner %d was down at the checkpoint: it rejoins from learner %d's state at "
                    "step %d and the syncer's Theta", m, peer.index, peer.step)
   return cuts
+
+
+def _pathways_slices(settings: settings_lib.RunSettings, learner_meshes
+                     ) -> slice_watch_lib.SliceWatch | None:
+  """Under Pathways, lost slices as pathwaysutils classifies and checks them; None elsewhere."""
+  if not pathways.in_use():
+    return None
+  return slice_watch_lib.for_pathways([list(mesh.devices.flat) for mesh in learner_meshes],
+                                      settings.devices.slice_poll_s)
 
 
 def _chain_hooks(*hooks):

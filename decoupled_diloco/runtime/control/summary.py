@@ -14,6 +14,7 @@ import numpy as np
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.runtime.control import run as run_lib
+from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.runtime.core import throughput as throughput_lib
 
@@ -243,6 +244,12 @@ def _fault_summary(run: run_lib.Run, tape, incarnations, steps_made,
       "faults": faults,
       "failures": failures,
       "rejoins": sum(1 for r in failures if r.get("restarted")),
+      # By cause: the learners' own failures, and (under Pathways) slices lost and waited for.
+      # A record from before causes were kept was the learner's own.
+      "application_failures": sum(1 for r in failures if r.get("cause", supervisor_lib.APPLICATION)
+                                  == supervisor_lib.APPLICATION),
+      "lost_slice_failures": sum(1 for r in failures
+                                 if r.get("cause") == supervisor_lib.LOST_SLICE),
       "joins": sum(1 for f in faults if f["fault"] == "join"),  # late learners admitted
       # Syncer crashes and what each restart restored (from its checkpoint, from the learners).
       "syncer_restarts": len(run.keeper.records) if run.keeper is not None else 0,

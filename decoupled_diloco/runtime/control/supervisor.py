@@ -21,6 +21,12 @@ now for a failure that took no device down), and starts the next incarnation:
 The failed incarnation's state is never read again: only its host-side counters, to account for
 what it lost. Each restart is a record in `records` and a `rejoin` line in metrics.jsonl.
 
+A failure is the learner's own (`cause` "application": a bug, a non-finite loss, a crash fault) or,
+under Pathways, a lost slice (`cause` "lost_slice", as pathwaysutils classifies the error:
+slice_watch.py). A lost slice waits for its slice to answer again instead of `repaired_at`, and
+does not count against `max_restarts`: that bound is for a learner that keeps failing on its own,
+and a slice that comes back is the infrastructure's to answer for.
+
 A late learner (`config.late_learners`, a scavenged slice: docs/failures.md) joins through the same
 path as a rejoin (docs/design.md §6): it is built but neither started nor attached to the syncer,
 waits like a failed learner whose devices come back at its `join@` second, then starts from a peer's
@@ -39,12 +45,17 @@ import jax
 import numpy as np
 from absl import logging
 
+from decoupled_diloco.runtime.control import slice_watch as slice_watch_lib
 from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 # Here too, for callers of `supervisor.rejoin_snapshot`.
 from decoupled_diloco.runtime.core.rejoin import rejoin_snapshot
+
+# A failure record's `cause`: the learner's own failure, or its slice lost (slice_watch.py).
+APPLICATION = "application"
+LOST_SLICE = "lost_slice"
 
 
 class Supervisor:
@@ -56,6 +67,7 @@ class Supervisor:
                max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
                late_learners: tuple[int, ...] = (),
                on_join: Callable[..., dict[str, Any]] | None = None,
+               lost_slices: slice_watch_lib.SliceWatch | None = None,
                clock: Callable[[], float] = time.monotonic):
     self.learners = learners  # the run's list: a restart replaces its entry
     self._syncer = syncer  # the running syncer; None while it is down (a rejoin then waits)
@@ -63,6 +75,8 @@ class Supervisor:
     self._repaired_at = repaired_at
     self._max_restarts = max_restarts
     self._metrics = metrics
+    # Under Pathways: which failures are lost slices, and when those are back (None: none are).
+    self._lost_slices = lost_slices
     self._clock = clock
     self._started_at = clock()
     self._failed: dict[int, dict[str, Any]] = {}  # learner -> record of the failure being healed
@@ -91,6 +105,7 @@ class Supervisor:
   def stop(self) -> None:
     """Stops polling, then polls once more (a learner that rejoined at the very end)."""
     self._stop.set()
+    self._stop_watching()
     if self._thread.is_alive():
       self._thread.join()
     if self.error is None:
@@ -129,6 +144,11 @@ class Supervisor:
   def halt(self) -> None:
     """Stops polling at once (the run is being shut down)."""
     self._stop.set()
+    self._stop_watching()
+
+  def _stop_watching(self) -> None:
+    if self._lost_slices is not None:
+      self._lost_slices.stop()
 
   def poll(self) -> bool:
     """Records new failures, restarts repaired learners. Returns whether a learner restarted."""
@@ -141,7 +161,7 @@ class Supervisor:
     for m, learner in enumerate(self.learners):
       if learner.error is not None and m not in self._failed and learner not in self.retired:
         self._on_failure(m, learner, now)
-      if m in self._failed and now >= self._repaired_at(m) and self._syncer() is not None:
+      if m in self._failed and self._repaired(m, now) and self._syncer() is not None:
         self._rejoin(m)
         restarted = True
       waiting = self._waiting_first_step.get(m)
@@ -151,20 +171,34 @@ class Supervisor:
         self._write(record)
     return restarted
 
+  def _repaired(self, m: int, now: float) -> bool:
+    """Failed learner m can start again: its lost slice is back, or its devices are repaired."""
+    if self._failed[m].get("cause") == LOST_SLICE:
+      return self._lost_slices.back_at(m) is not None
+    return now >= self._repaired_at(m)
+
   def _elapsed(self, t: float) -> float:
     return round(t - self._started_at, 3)
 
   def _on_failure(self, m: int, learner: learner_lib.Learner, now: float) -> None:
     counters = learner.counters()
     self.retired.append(learner)
+    lost_slice = self._lost_slices is not None and self._lost_slices.is_lost_slice(learner.error)
     record = {"learner": m, "incarnation": learner.incarnation, "step": learner.step,
               "failed_at_s": self._elapsed(now), "error": repr(learner.error),
+              "cause": LOST_SLICE if lost_slice else APPLICATION,
               "unmerged_fragment_steps": int(counters.steps.sum()),
               # Per fragment, what its host-side counters held and the Theta_p versions it had
               # applied: the summary subtracts what merges in flight still took in.
               "counter_tokens": counters.tokens.tolist(),
               "anchor_versions": counters.anchor_versions.tolist()}
     self.records.append(record)
+    if lost_slice:
+      self._failed[m] = record
+      self._lost_slices.watch(m)
+      logging.warning("learner %d lost its slice at step %d (%r); it rejoins once the slice is back",
+                      m, learner.step, learner.error)
+      return
     if self.restarts[m] >= self._max_restarts:
       record["restarted"] = False
       syncer = self._syncer()
@@ -232,7 +266,10 @@ class Supervisor:
         peer_publication=None if published is None else published.index)
     self.learners[m] = new
     self.start_steps[m] = step
-    if not joining:
+    if record.get("cause") == LOST_SLICE:
+      record["slice_back_at_s"] = self._elapsed(self._lost_slices.back_at(m))
+      self._lost_slices.forget(m)
+    elif not joining:
       self.restarts[m] += 1
     syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
     new.start()

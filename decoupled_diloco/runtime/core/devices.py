@@ -4,7 +4,8 @@ Single-controller, Pathways-style: one process sees every device and carves it i
 meshes, each inside one slice (a TPU slice, a GPU host, or a run of fake CPU devices: which devices
 a learner gets is runtime/core/slices.py's) and a syncer mesh of CPU devices. On a CPU-only box
 learners and syncer share the fake host devices; on TPU or GPU the syncer takes the host's CPU
-devices. With config.devices.learners_sharing_devices = n, consecutive groups of n learners get
+devices. Under Pathways (JAX_PLATFORMS=proxy) the learners' TPU chips are the proxy backend's
+(pathways.py). With config.devices.learners_sharing_devices = n, consecutive groups of n learners get
 one set of devices between them (each its own Mesh object over the same devices): M learners on
 one GPU. How their steps share those devices is runtime/core/device_share.py's.
 """
@@ -22,6 +23,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from decoupled_diloco import errors
+from decoupled_diloco.runtime.core import pathways
 from decoupled_diloco.runtime.core import slices as slices_lib
 
 # Every learner mesh has all three axes; a (data, model) shape has fsdp = 1 (see model.py's rules).
@@ -32,12 +34,22 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def use_platform(platform: str) -> None:
-  """Before JAX starts its backends: a CPU run starts JAX's CPU backend only.
+  """Before JAX starts its backends: a CPU run starts JAX's CPU backend only; a Pathways run
+  (JAX_PLATFORMS names the proxy) has pathwaysutils register the proxy backend first.
 
   With libtpu installed (the `tpu` extra) JAX would otherwise start its TPU backend too, which on
   a host without TPU chips looks for them and prints warnings. A JAX_PLATFORMS the user set
   stands; gpu and tpu runs keep JAX's choice (the accelerator, and the CPU the syncer runs on).
+  Every entry passes here before anything touches JAX (runtime/control/launch.py's build).
   """
+  if pathways.in_use():
+    if platform != pathways.PLATFORM:
+      raise errors.InputError(
+          f"config.devices.platform={platform!r} but JAX_PLATFORMS={pathways.jax_platforms()!r} "
+          f"names Pathways' proxy backend, whose devices are TPU chips: set "
+          f"config.devices.platform={pathways.PLATFORM!r}")
+    pathways.initialize()
+    return
   if platform != "cpu" or os.environ.get("JAX_PLATFORMS") or _backends_initialised():
     return
   jax.config.update("jax_platforms", "cpu")
@@ -99,11 +111,7 @@ def build_meshes(
   learner holds (a CPU-only run) or the first CPU devices (on TPU / GPU, where the host CPUs are
   separate from the accelerators).
   """
-  try:
-    devices = jax.devices(platform)
-  except RuntimeError as err:
-    raise errors.InputError(
-        f"config.devices.platform={platform!r}: no such devices here ({err})") from err
+  devices = platform_devices(platform)
   sharing = learners_sharing_devices
   needed = sum(math.prod(shape) for shape in learner_mesh_shapes[::sharing])
   cpu_shared = platform == "cpu"
@@ -138,7 +146,7 @@ def build_meshes(
       syncer_chunk = [d for d in sorted(devices, key=lambda d: d.id)
                       if d.id not in held][:syncer_devices]
     else:
-      cpus = jax.devices("cpu")
+      cpus = _host_cpus(syncer_devices)
       if syncer_devices > len(cpus):
         raise errors.InputError(
             f"config.syncer.num_devices={syncer_devices} but this host has {len(cpus)} CPU "
@@ -160,6 +168,36 @@ def placed_mesh(placement: slices_lib.Placement, shape: tuple[int, ...]) -> Mesh
     except (ValueError, NotImplementedError, AssertionError):
       pass  # a layout the physical-mesh rules do not cover: the physical order below
   return learner_mesh(devices, shape)
+
+
+def platform_devices(platform: str) -> list[jax.Device]:
+  """Every device of `platform`. Under Pathways the proxy backend's that report it: JAX files them
+  under the backend's name, not their platform's."""
+  if platform == "cpu" or not pathways.in_use():
+    try:
+      return jax.devices(platform)
+    except RuntimeError as err:
+      raise errors.InputError(
+          f"config.devices.platform={platform!r}: no such devices here ({err})") from err
+  devices = jax.devices(pathways.PROXY)
+  found = [d for d in devices if d.platform == platform]
+  if not found:
+    raise errors.InputError(
+        f"config.devices.platform={platform!r}: the {pathways.PROXY} backend of JAX_PLATFORMS="
+        f"{pathways.jax_platforms()!r} has no such devices (its devices are "
+        f"{sorted({d.platform for d in devices})})")
+  return found
+
+
+def _host_cpus(syncer_devices: int) -> list[jax.Device]:
+  """This host's CPU devices, for the syncer of a TPU or GPU run."""
+  try:
+    return jax.devices("cpu")
+  except RuntimeError as err:  # JAX_PLATFORMS=proxy alone starts no CPU backend
+    raise errors.InputError(
+        f"config.syncer.num_devices={syncer_devices} needs this host's CPU devices, but JAX "
+        f"started none (JAX_PLATFORMS={pathways.jax_platforms()!r}): add cpu to it, as in "
+        f"JAX_PLATFORMS={pathways.jax_platforms() or 'tpu'},cpu") from err
 
 
 def learner_mesh(devices, shape: tuple[int, ...]) -> Mesh:

@@ -71,13 +71,14 @@ COUNTERFACTUAL = ("merge.", "outer.", "compression.")
 IGNORED = ("workdir", "replay", "tape", "restore", "checkpoint.", "log_every", "eval_every",
            "eval_batches", "stall_timeout_s", "max_restarts", "profile_steps",
            "compilation_cache_dir", "donate_state", "runtime", "ray.", "syncer.",
-           "learner_step_delays_s", "learner_step_noise_s", "sync.", "chaos.", "late_learners")
+           "learner_step_delays_s", "learner_step_noise_s", "sync.", "chaos.", "late_learners",
+           "devices.slice_poll_s")
 # ... except these sync fields, which shape the fragments themselves.
 _SYNC_STRUCTURE = ("sync.num_fragments", "sync.fragmentation")
 # Fields added since tape format 1, each with the value a recording made before it ran as: such a
 # recording replayed at that value is an exact replay, not a counterfactual one.
 _ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
-                 "devices.fake_slice_size": "0"}
+                 "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0"}
 # A learner's own events: its takes and applies, and the respawn that starts an incarnation.
 _LEARNER_KINDS = ("take", "apply", "respawn")
 # Records of a restart a replay does not follow yet.
