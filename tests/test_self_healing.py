@@ -280,6 +280,31 @@ def test_an_error_of_the_learners_own_fails_it_as_before_under_pathways(tmp_path
   assert summary["learner_steps"][0] == 24 and np.isfinite(summary["final_eval_loss"])
 
 
+def test_a_lost_slice_whose_slice_answers_at_once_is_the_learners_own_failure(tmp_path):
+  """pathwaysutils reads an INTERNAL error as a lost slice; if the slice answers the first check,
+  none was lost, and the failure counts against max_restarts: a learner failing so on its own
+  does not rejoin without end."""
+  checked = []
+  watch = slice_watch.SliceWatch(pathways.is_lost_slice, lambda m: checked.append(m) or True,
+                                 poll_s=0.01)
+
+  def fail(learner, step):
+    if learner == 1 and step >= 4:  # every incarnation, whatever step it rejoins at
+      raise jax.errors.JaxRuntimeError("INTERNAL: a failure of the learner's own program")
+    if learner != 1 and step == 20:  # the run lasts until the supervisor has given up on it
+      wait_until(lambda: any(r.get("restarted") is False for r in run.supervisor.records))
+
+  run = train.build(tiny_settings(tmp_path, max_restarts=1), step_hook=fail, lost_slices=watch)
+  summary = train.execute(run, progress=False)
+  first, second = summary["failures"]
+  assert pathways.is_lost_slice(jax.errors.JaxRuntimeError("INTERNAL: x"))  # as pathwaysutils reads it
+  assert (first["cause"], first["slices_answered_at_once"], first["restarted"]) == (
+      "application", True, True)
+  assert (second["cause"], second["restarted"]) == ("application", False)  # max_restarts=1
+  assert summary["application_failures"] == 2 and summary["lost_slice_failures"] == 0
+  assert checked == [1, 1] and run.supervisor.restarts[1] == 1
+
+
 def test_a_learner_failing_more_than_max_restarts_stays_down_and_the_run_goes_on(tmp_path):
   given_up = lambda: any(not r.get("restarted", True) for r in run.supervisor.records)  # noqa: E731
 

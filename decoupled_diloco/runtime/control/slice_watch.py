@@ -37,6 +37,7 @@ class SliceWatch:
     self._clock = clock
     self._lock = threading.Lock()
     self._back_at: dict[int, float | None] = {}  # lost learner -> when its slices were back
+    self._at_once: dict[int, bool] = {}  # lost learner -> whether its first check found them up
     self._stop = threading.Event()
 
   def watch(self, learner: int) -> None:
@@ -51,22 +52,32 @@ class SliceWatch:
     with self._lock:
       return self._back_at.get(learner)
 
+  def answered_at_once(self, learner: int) -> bool:
+    """Whether the first check after `learner`'s failure found its slices up: no slice was down
+    then, so the error, whatever pathwaysutils reads in it, was the learner's own."""
+    with self._lock:
+      return self._at_once.get(learner, False)
+
   def forget(self, learner: int) -> None:
     """`learner` has rejoined: a later loss is watched afresh."""
     with self._lock:
       self._back_at.pop(learner, None)
+      self._at_once.pop(learner, None)
 
   def stop(self) -> None:
     """Ends the waits (the run is over); a check under way still returns into nothing."""
     self._stop.set()
 
   def _wait_for(self, learner: int) -> None:
+    first = True
     while not self._stop.is_set():
       if self._active(learner):
         with self._lock:
           if learner in self._back_at:
             self._back_at[learner] = self._clock()
+            self._at_once[learner] = first
         return
+      first = False
       self._stop.wait(self._poll_s)
 
   def _active(self, learner: int) -> bool:

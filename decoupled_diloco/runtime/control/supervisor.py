@@ -25,7 +25,10 @@ A failure is the learner's own (`cause` "application": a bug, a non-finite loss,
 under Pathways, a lost slice (`cause` "lost_slice", as pathwaysutils classifies the error:
 slice_watch.py). A lost slice waits for its slice to answer again instead of `repaired_at`, and
 does not count against `max_restarts`: that bound is for a learner that keeps failing on its own,
-and a slice that comes back is the infrastructure's to answer for.
+and a slice that comes back is the infrastructure's to answer for. pathwaysutils reads INTERNAL,
+NOT_FOUND and DEADLINE_EXCEEDED errors as lost slices too: one whose slices answer at the first
+check was no slice lost, and becomes the learner's own failure (else a learner failing so on its
+own would rejoin without end).
 
 A late learner (`config.late_learners`, a scavenged slice: docs/failures.md) joins through the same
 path as a rejoin (docs/design.md §6): it is built but neither started nor attached to the syncer,
@@ -173,8 +176,21 @@ class Supervisor:
 
   def _repaired(self, m: int, now: float) -> bool:
     """Failed learner m can start again: its lost slice is back, or its devices are repaired."""
-    if self._failed[m].get("cause") == LOST_SLICE:
-      return self._lost_slices.back_at(m) is not None
+    record = self._failed[m]
+    if record.get("cause") == LOST_SLICE:
+      if self._lost_slices.back_at(m) is None:
+        return False
+      if not self._lost_slices.answered_at_once(m):
+        return True
+      # Its slices never went down: the learner's own failure after all.
+      self._lost_slices.forget(m)
+      record.update(cause=APPLICATION, slices_answered_at_once=True)
+      logging.warning("learner %d: its slices answered the first check, so %s was its own error",
+                      m, record["error"])
+      if self.restarts[m] >= self._max_restarts:
+        del self._failed[m]
+        self._give_up(m, record)
+        return False
     return now >= self._repaired_at(m)
 
   def _elapsed(self, t: float) -> float:
@@ -200,19 +216,23 @@ class Supervisor:
                       m, learner.step, learner.error)
       return
     if self.restarts[m] >= self._max_restarts:
-      record["restarted"] = False
-      syncer = self._syncer()
-      if syncer is not None:
-        syncer.give_up(m)  # a lock-step barrier stops waiting for it
-      logging.error("learner %d failed at step %d and has been restarted %d times "
-                    "(config.max_restarts): the run goes on without it", m, learner.step,
-                    self.restarts[m])
-      self._write(record)
+      self._give_up(m, record)
       return
     self._failed[m] = record
     logging.warning("learner %d failed at step %d (%r); it held %d fragment-steps no applied merge "
                     "had taken in; it restarts once repaired", m, learner.step, learner.error,
                     record["unmerged_fragment_steps"])
+
+  def _give_up(self, m: int, record: dict[str, Any]) -> None:
+    """Learner m has failed once more than config.max_restarts allows: it stays down."""
+    record["restarted"] = False
+    syncer = self._syncer()
+    if syncer is not None:
+      syncer.give_up(m)  # a lock-step barrier stops waiting for it
+    logging.error("learner %d failed at step %d and has been restarted %d times "
+                  "(config.max_restarts): the run goes on without it", m, record["step"],
+                  self.restarts[m])
+    self._write(record)
 
   def _healthy_peer(self, m: int) -> learner_lib.Learner | None:
     peers = [l for l in self.learners if l.index != m and l.alive]
