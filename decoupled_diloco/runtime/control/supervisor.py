@@ -189,7 +189,10 @@ class Supervisor:
     return self._failed.get(m, {}).get("_joining", False)
 
   def _rejoin(self, m: int) -> None:
-    record = self._failed.pop(m)
+    # The record stays in `_failed` until the new incarnation is in `learners`: a rejoin that
+    # builds for long (a learner in new processes) keeps the run `pending`, where the
+    # controller would otherwise see every learner finished (the failed one too) and end the run.
+    record = self._failed[m]
     joining = record.get("_joining", False)
     failed = self.learners[m]
     if not joining:
@@ -200,7 +203,6 @@ class Supervisor:
       theta, versions = syncer.model.received()
     except handles.SyncerGone as err:
       logging.warning("learner %d rejoins once the syncer is back (%s)", m, err)
-      self._failed[m] = record
       return
     layout = failed.layout
     peer = self._healthy_peer(m)
@@ -220,7 +222,6 @@ class Supervisor:
       new = failed.respawn(snapshot)
     except handles.GoneWhileRestarting as err:
       logging.warning("%s; it rejoins once its process is back", err)
-      self._failed[m] = record
       return
     # The event tape (runtime/records/event_tape.py): what a replay needs to make this incarnation again.
     new.tape_respawn(
@@ -231,6 +232,7 @@ class Supervisor:
         peer_step=None if published is None else published.step,
         peer_publication=None if published is None else published.index)
     self.learners[m] = new
+    del self._failed[m]
     self.start_steps[m] = step
     if not joining:
       self.restarts[m] += 1
