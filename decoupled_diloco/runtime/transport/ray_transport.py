@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime.transport import ray_placement
 from decoupled_diloco.runtime.transport import ray_runtime
 from decoupled_diloco.runtime.transport import ray_syncer
 
@@ -47,9 +48,9 @@ class RayTransport:
                      layout, fragments, cuts: dict[int, Any], held_back: Sequence[int],
                      step_hook, peer_repairing) -> list[Any]:
     del built, fragments, held_back, peer_repairing
-    learners = ray_runtime.start_learners(settings, secret=self._secret, port=port,
-                                          metrics=metrics, layout=layout, cuts=cuts,
-                                          step_hook=step_hook)
+    learners = ray_placement.start_learners(settings, secret=self._secret, port=port,
+                                            metrics=metrics, layout=layout, cuts=cuts,
+                                            step_hook=step_hook)
     for learner in learners:
       cut = cuts.get(learner.index)
       syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation,
