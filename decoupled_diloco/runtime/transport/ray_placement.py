@@ -19,6 +19,7 @@ from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.transport import ray_learner
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
 from decoupled_diloco.runtime.transport import ray_runtime
+from decoupled_diloco.runtime.transport import ray_tpu_slices
 
 
 def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, metrics, layout,
@@ -106,6 +107,6 @@ def _start_processes(actor_class, settings: settings_lib.RunSettings, m: int, se
         max_restarts=max(settings.max_restarts, 0),
         # A multi-process learner's pulls wait in the call for the next step boundary.
         max_concurrency=8 if processes == 1 else 64, num_cpus=1,
-        runtime_env={"env_vars": env}, **placement,
+        runtime_env={"env_vars": ray_tpu_slices.without_megascale(env)}, **placement,
     ).remote(settings, m, secret, cut, i))
   return actors

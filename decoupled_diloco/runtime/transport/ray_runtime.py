@@ -68,6 +68,7 @@ from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
+from decoupled_diloco.runtime.transport import ray_tpu_slices
 
 # Keep a local cluster on loopback (the guide's verified setting) and Ray's token auth on.
 # RAY_worker_niceness: Ray starts its workers at nice 15, as background work; a learner or the
@@ -163,6 +164,12 @@ class LearnerProcess:
     """`cut`: this learner's `checkpoints.LearnerCut` in a resumed run (None: from the seed).
     A process of a multi-process learner builds nothing until `join_group`: its JAX must join
     the learner's jax.distributed job before it starts."""
+    # Before anything starts a JAX backend: a TPU VM of a multislice job carries MEGASCALE_*
+    # settings (inherited from the raylet), with which libtpu would join every slice into one
+    # synchronous job; each learner is a job of its own (ray_tpu_slices.py).
+    cleared = ray_tpu_slices.clear_megascale()
+    if cleared:
+      logging.info("learner %d process %d: cleared %s", index, process, ", ".join(cleared))
     self._settings, self._index, self._secret, self._cut = settings, index, secret, cut
     self._process = process
     self._processes = settings.ray.processes_per_learner
