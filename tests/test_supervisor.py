@@ -1,5 +1,5 @@
-"""The supervisor on its own, over stand-in learners and a stand-in syncer: a rejoin still
-building keeps the run from ending."""
+"""The supervisor on its own, over stand-in learners and a stand-in syncer: which restarts count
+against config.max_restarts, and that a rejoin still building keeps the run from ending."""
 
 import threading
 import types
@@ -62,16 +62,44 @@ class _Syncer:
     self.given_up.append(m)
 
 
-def _supervisor(learners, syncer, monkeypatch, max_restarts=1):
+def _supervisor(learners, syncer, lost_slice, monkeypatch, max_restarts=0):
   snapshot = lambda *args: types.SimpleNamespace(  # noqa: E731
       step=args[4], train_state=types.SimpleNamespace(opt_state={}))
   monkeypatch.setattr(supervisor_lib, "rejoin_snapshot", snapshot)
   return supervisor_lib.Supervisor(learners, lambda: syncer, init_opt_state=None,
-                                   repaired_at=lambda m: 0.0, max_restarts=max_restarts)
+                                   repaired_at=lambda m: 0.0, max_restarts=max_restarts,
+                                   lost_slice=lost_slice)
+
+
+def test_a_lost_slice_rejoins_without_counting_against_max_restarts(monkeypatch):
+  learners = [_Learner(0), _Learner(1, error=RuntimeError("gloo all-reduce failed"))]
+  supervisor = _supervisor(learners, _Syncer(), lambda m: True, monkeypatch, max_restarts=0)
+  assert supervisor.poll()
+  assert learners[1].incarnation == 1 and supervisor.restarts == [0, 0]
+  [record] = supervisor.records
+  assert record["restarted"] and record["lost_slice"] is True
+
+
+def test_an_application_failure_known_only_once_repaired_is_given_up_past_max_restarts(
+    monkeypatch):
+  """On a slice, whether a failure lost a host is known only once the learner's processes are
+  back: the supervisor waits for that before it gives up on an application failure."""
+  learners = [_Learner(0), _Learner(1, error=RuntimeError("step raised"))]
+  syncer, known = _Syncer(), {"lost": None}
+  supervisor = _supervisor(learners, syncer, lambda m: known["lost"], monkeypatch)
+  supervisor._repaired_at = lambda m: float("inf")  # pylint: disable=protected-access
+  assert not supervisor.poll()
+  assert supervisor.pending and syncer.given_up == []  # not known yet: not given up
+  known["lost"] = False
+  supervisor._repaired_at = lambda m: 0.0  # pylint: disable=protected-access
+  supervisor.poll()
+  [record] = supervisor.records
+  assert record["restarted"] is False and record["lost_slice"] is False
+  assert syncer.given_up == [1] and learners[1].incarnation == 0 and not supervisor.pending
 
 
 def test_the_run_stays_pending_while_a_rejoin_is_still_building(monkeypatch):
-  """A rejoin in new processes builds for seconds while its peer may
+  """A rejoin in new processes (on another TPU slice) builds for seconds while its peer may
   finish: every learner then looks finished, the failed one included, and only `pending` keeps
   the controller from ending the run under the rejoining learner."""
   building, go_on = threading.Event(), threading.Event()
@@ -82,7 +110,7 @@ def test_the_run_stays_pending_while_a_rejoin_is_still_building(monkeypatch):
 
   learners = [_Learner(0), _Learner(1, error=RuntimeError("host lost"), on_respawn=build)]
   learners[0].finished_training.set()  # the peer has made its last step
-  supervisor = _supervisor(learners, _Syncer(), monkeypatch)
+  supervisor = _supervisor(learners, _Syncer(), lambda m: True, monkeypatch)
   poller = threading.Thread(target=supervisor.poll)
   poller.start()
   building.wait()

@@ -243,6 +243,11 @@ def _fault_summary(run: run_lib.Run, tape, incarnations, steps_made,
       "faults": faults,
       "failures": failures,
       "rejoins": sum(1 for r in failures if r.get("restarted")),
+      # config.ray.tpu_slice: rejoins that moved a learner off a slice that lost a host (not
+      # counted against config.max_restarts), and every other rejoin (counted).
+      "lost_slice_rejoins": sum(1 for r in failures if r.get("restarted") and r.get("lost_slice")),
+      "application_failure_rejoins": sum(1 for r in failures
+                                         if r.get("restarted") and not r.get("lost_slice")),
       "joins": sum(1 for f in faults if f["fault"] == "join"),  # late learners admitted
       # Syncer crashes and what each restart restored (from its checkpoint, from the learners).
       "syncer_restarts": len(run.keeper.records) if run.keeper is not None else 0,

@@ -21,6 +21,12 @@ now for a failure that took no device down), and starts the next incarnation:
 The failed incarnation's state is never read again: only its host-side counters, to account for
 what it lost. Each restart is a record in `records` and a `rejoin` line in metrics.jsonl.
 
+Restarts count against `max_restarts`, except after a lost slice (`lost_slice`, config.ray.
+tpu_slice: a host of the learner's TPU slice was lost, and it moved whole to another): a lost host
+is the cluster's failure, not the application's, and a long run on preemptible slices would spend
+any budget on them. Which it was is known only once the learner's processes are back or a host is
+declared dead, so for such a learner the decision to give up waits for its repair.
+
 A late learner (`config.late_learners`, a scavenged slice: docs/failures.md) joins through the same
 path as a rejoin (docs/design.md §6): it is built but neither started nor attached to the syncer,
 waits like a failed learner whose devices come back at its `join@` second, then starts from a peer's
@@ -56,12 +62,15 @@ class Supervisor:
                max_restarts: int, metrics: metrics_lib.MetricsWriter | None = None,
                late_learners: tuple[int, ...] = (),
                on_join: Callable[..., dict[str, Any]] | None = None,
+               lost_slice: Callable[[int], bool | None] = lambda m: False,
                clock: Callable[[], float] = time.monotonic):
     self.learners = learners  # the run's list: a restart replaces its entry
     self._syncer = syncer  # the running syncer; None while it is down (a rejoin then waits)
     self._init_opt_state = init_opt_state
     self._repaired_at = repaired_at
     self._max_restarts = max_restarts
+    # Whether failed learner m lost a host of its TPU slice (None: not known yet).
+    self._lost_slice = lost_slice
     self._metrics = metrics
     self._clock = clock
     self._started_at = clock()
@@ -72,7 +81,7 @@ class Supervisor:
     self._on_join = on_join
     # learner -> (its rejoin or join record, when its devices were repaired)
     self._waiting_first_step: dict[int, tuple[dict[str, Any], float]] = {}
-    self.restarts = [0] * len(learners)
+    self.restarts = [0] * len(learners)  # per learner, restarts counted against max_restarts
     self.retired: list[learner_lib.Learner] = []  # failed incarnations, for the accounting
     self.start_steps = [0] * len(learners)  # where each learner's current incarnation started
     self.records: list[dict[str, Any]] = []
@@ -163,22 +172,26 @@ class Supervisor:
               # Per fragment, what its host-side counters held and the Theta_p versions it had
               # applied: the summary subtracts what merges in flight still took in.
               "counter_tokens": counters.tokens.tolist(),
-              "anchor_versions": counters.anchor_versions.tolist()}
+              "anchor_versions": counters.anchor_versions.tolist(),
+              "lost_slice": self._lost_slice(m)}
     self.records.append(record)
-    if self.restarts[m] >= self._max_restarts:
-      record["restarted"] = False
-      syncer = self._syncer()
-      if syncer is not None:
-        syncer.give_up(m)  # a lock-step barrier stops waiting for it
-      logging.error("learner %d failed at step %d and has been restarted %d times "
-                    "(config.max_restarts): the run goes on without it", m, learner.step,
-                    self.restarts[m])
-      self._write(record)
+    if record["lost_slice"] is False and self.restarts[m] >= self._max_restarts:
+      self._give_up(m, learner, record)
       return
     self._failed[m] = record
     logging.warning("learner %d failed at step %d (%r); it held %d fragment-steps no applied merge "
                     "had taken in; it restarts once repaired", m, learner.step, learner.error,
                     record["unmerged_fragment_steps"])
+
+  def _give_up(self, m: int, learner: learner_lib.Learner, record: dict[str, Any]) -> None:
+    record["restarted"] = False
+    syncer = self._syncer()
+    if syncer is not None:
+      syncer.give_up(m)  # a lock-step barrier stops waiting for it
+    logging.error("learner %d failed at step %d and has been restarted %d times "
+                  "(config.max_restarts): the run goes on without it", m, learner.step,
+                  self.restarts[m])
+    self._write(record)
 
   def _healthy_peer(self, m: int) -> learner_lib.Learner | None:
     peers = [l for l in self.learners if l.index != m and l.alive]
@@ -190,13 +203,18 @@ class Supervisor:
 
   def _rejoin(self, m: int) -> None:
     # The record stays in `_failed` until the new incarnation is in `learners`: a rejoin that
-    # builds for long (a learner in new processes) keeps the run `pending`, where the
+    # builds for long (new processes, on another TPU slice) keeps the run `pending`, where the
     # controller would otherwise see every learner finished (the failed one too) and end the run.
     record = self._failed[m]
     joining = record.get("_joining", False)
     failed = self.learners[m]
     if not joining:
       failed.join(timeout=10)  # it has failed; its thread is only posting its exit
+      record["lost_slice"] = self._lost_slice(m)  # known now that it is repaired
+      if not record["lost_slice"] and self.restarts[m] >= self._max_restarts:
+        del self._failed[m]
+        self._give_up(m, failed, record)
+        return
     repaired = self._clock()
     syncer = self._syncer()
     try:
@@ -234,7 +252,7 @@ class Supervisor:
     self.learners[m] = new
     del self._failed[m]
     self.start_steps[m] = step
-    if not joining:
+    if not joining and not record["lost_slice"]:
       self.restarts[m] += 1
     syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
     new.start()

@@ -319,6 +319,19 @@ class LearnerProcess:
     import ray  # pylint: disable=g-import-not-at-top
     return ray.get_runtime_context().get_node_id()
 
+  def whereabouts(self) -> dict[str, Any]:
+    """Where this process runs and in which job: its TPU slice and worker (Ray's node labels), its
+    jax.distributed process index and count once built, and any MEGASCALE_* setting it holds."""
+    import ray  # pylint: disable=g-import-not-at-top
+    labels = ray.get_runtime_context().get_node_labels()
+    built = self._learner is not None
+    return {"pid": os.getpid(), "slice": labels.get(ray_tpu_slices.SLICE_NAME_LABEL),
+            "worker": labels.get(ray_tpu_slices.WORKER_ID_LABEL),
+            "process_index": jax.process_index() if built else None,
+            "process_count": jax.process_count() if built else None,
+            "megascale": {k: v for k, v in os.environ.items()
+                          if k.startswith(ray_tpu_slices.MEGASCALE_PREFIX)}}
+
   def lose_host(self, incarnation: int, mac: str) -> None:
     """config.chaos's node_loss: this host goes, with every process on it."""
     self._check(mac, "lose_host", incarnation)

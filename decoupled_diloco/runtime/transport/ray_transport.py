@@ -63,6 +63,10 @@ class RayTransport:
     # restarted it (runtime/transport/ray_runtime.py).
     return lambda m: devices_back(m) if learners[m].process_up() else math.inf
 
+  def lost_slice(self, learners: Sequence[Any]) -> Callable[[int], bool | None]:
+    # (`learners`: the run's list, whose entries the supervisor replaces at each rejoin.)
+    return lambda m: learners[m].lost_slice()
+
   def finish(self, learners: Sequence[Any], syncer) -> None:
     for learner in learners:
       learner.check_replicas()  # a learner over several processes: are they still one?
