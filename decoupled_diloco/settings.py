@@ -99,6 +99,37 @@ class RaySettings:
   learner_resource: str = ""
   # The same for the syncer's process: the host(s) it runs and restarts on.
   syncer_resource: str = ""
+  # "" = off | a TPU generation and topology ("v5p:2x2x2", a v5p-16): each learner is one whole
+  # TPU slice of it, claimed through Ray's slice head resource, one process per host
+  # (runtime/transport/ray_tpu_slices.py; docs/ray.md).
+  tpu_slice: str = ""
+  # config.ray.tpu_slice as Ray's TPU tables describe it; None when off.
+  slice: TpuSlice | None = dataclasses.field(default=None, metadata=_DERIVED)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+  """The TPU slice each learner runs on (config.ray.tpu_slice), in Ray's terms."""
+
+  generation: str  # Ray's spelling: "v5p", "v5litepod", "v6e"
+  topology: str  # "2x2x2"
+  pod_type: str  # "v5p-16": what `gcloud --accelerator-type` and Ray's head resource call it
+  hosts: int  # TPU VMs in the slice: a learner's processes
+  chips_per_host: int  # the `TPU` resource Ray advertises on each host, all of it per process
+
+  @property
+  def chips(self) -> int:
+    return self.hosts * self.chips_per_host
+
+  @property
+  def accelerator_type(self) -> str:
+    """Ray's accelerator type of the slice's hosts ("TPU-V5P")."""
+    return f"TPU-{self.generation.upper()}"
+
+  @property
+  def head_resource(self) -> str:
+    """The resource Ray advertises on worker 0 of every slice of this pod type only."""
+    return f"TPU-{self.pod_type}-head"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -739,9 +770,18 @@ def _compilation_cache_dir(config, workdir: str) -> str | None:
 
 def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
                      late_learners: tuple[int, ...], mesh_shapes: tuple[tuple[int, ...], ...],
-                     sharing: int) -> tuple[str, RaySettings]:
+                     devices: DevicesSettings) -> tuple[str, RaySettings]:
   runtime = _check_choice(config, "runtime", RUNTIMES)
+  sharing = devices.learners_sharing_devices
+  tpu_slice = _tpu_slice(config, runtime, mesh_shapes, devices)
   processes = _check_int(config, "ray.processes_per_learner", 1)
+  if tpu_slice is not None:
+    if processes not in (1, tpu_slice.hosts):
+      _fail("ray.processes_per_learner", processes,
+            f"must be {tpu_slice.hosts} (or 1, the default, which is read as {tpu_slice.hosts}): "
+            f"config.ray.tpu_slice={_get(config, 'ray.tpu_slice')!r} is a {tpu_slice.pod_type} "
+            f"of {tpu_slice.hosts} hosts, and a learner runs one process per host of its slice")
+    processes = tpu_slice.hosts
   if processes > 1:
     if sharing > 1:
       _fail("ray.processes_per_learner", processes,
@@ -761,6 +801,10 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
           "'auto' or a cluster address")
   resources = {field: _ray_resource(config, field, runtime)
                for field in ("ray.learner_resource", "ray.syncer_resource")}
+  if tpu_slice is not None and resources["ray.learner_resource"]:
+    _fail("ray.learner_resource", resources["ray.learner_resource"],
+          f"must be '' with config.ray.tpu_slice={_get(config, 'ray.tpu_slice')!r}: the slice "
+          "places the learner processes, on its hosts")
   node_losses = [f for f in chaos_settings.faults if f.kind == chaos.NODE_LOSS]
   if (node_losses or chaos_settings.node_loss_fraction) and (runtime != "ray" or not address):
     field, value = (("chaos.schedule", chaos_settings.schedule) if node_losses else
@@ -780,7 +824,62 @@ def _resolve_runtime(config, mode: str, chaos_settings: ChaosSettings,
       _fail("runtime", runtime, "does not hold late learners back yet (config.late_learners)")
   return runtime, RaySettings(address=address, processes_per_learner=processes,
                               learner_resource=resources["ray.learner_resource"],
-                              syncer_resource=resources["ray.syncer_resource"])
+                              syncer_resource=resources["ray.syncer_resource"],
+                              tpu_slice=_get(config, "ray.tpu_slice"), slice=tpu_slice)
+
+
+# Ray spells v5e "v5litepod" (its pod types too: v5litepod-16); the rest as the TPU docs do.
+_RAY_TPU_GENERATION = {"v5e": "v5litepod"}
+
+
+def _tpu_slice(config, runtime: str, mesh_shapes: tuple[tuple[int, ...], ...],
+               devices: DevicesSettings) -> TpuSlice | None:
+  """config.ray.tpu_slice, sized by Ray's own TPU tables (the ones its slice placement groups
+  use), and checked against what each learner must then be: the whole slice, on its own."""
+  field, name = "ray.tpu_slice", _get(config, "ray.tpu_slice")
+  if name == "":
+    return None
+  match = re.fullmatch(r"(v\d+[a-z]*):(\d+x\d+(?:x\d+)?)", name) if isinstance(
+      name, str) else None
+  if match is None:
+    _fail(field, name, "must be '' (off) or a TPU generation and topology like 'v5p:2x2x2' (a "
+          "v5p-16: 8 chips on 2 hosts) or 'v6e:4x4', as config.devices.tpu_topologies names them "
+          "(a pod type alone does not say the topology Ray's slice placement needs)")
+  address = _get(config, "ray.address")
+  if runtime != "ray" or not address:
+    _fail(field, name, "needs config.runtime='ray' on a cluster of TPU VMs (config.ray.address="
+          "'auto' or an address): a learner is one slice of several hosts")
+  from ray._private.accelerators import tpu as ray_tpu_tables  # pylint: disable=g-import-not-at-top
+  from ray.util import tpu as ray_tpu  # pylint: disable=g-import-not-at-top
+  generation = _RAY_TPU_GENERATION.get(match[1], match[1])
+  topology = match[2]
+  if not ray_tpu_tables.TPUAcceleratorManager.is_valid_tpu_accelerator_topology(generation,
+                                                                                   topology):
+    known = sorted(ray_tpu_tables.VALID_TPU_TOPOLOGY.get(generation, ()),
+                   key=lambda t: (math.prod(int(d) for d in t.split("x")), t))
+    _fail(field, name, f"is not a TPU slice Ray's slice placement knows: "
+          f"{', '.join(known[:6]) + ', ...' if known else 'no such generation'}")
+  hosts, per_host = ray_tpu.get_tpu_worker_resources(topology, generation)
+  found = TpuSlice(
+      generation=generation, topology=topology, hosts=hosts, chips_per_host=int(per_host["TPU"]),
+      pod_type=ray_tpu_tables.infer_tpu_pod_type_from_topology(topology, generation))
+  for m, shape in enumerate(mesh_shapes):
+    if math.prod(shape) != found.chips:
+      _fail("learner_mesh_shapes", mesh_shapes,
+            f"learner {m}'s mesh {shape} must have {found.chips} devices, the chips of the "
+            f"{found.pod_type} each learner is (config.ray.tpu_slice={name!r})")
+  if devices.platform not in ("tpu", "cpu"):
+    _fail("devices.platform", devices.platform, f"must be 'tpu' with config.ray.tpu_slice="
+          f"{name!r} (or 'cpu': each process holds {found.chips_per_host} fake CPU devices, as on "
+          "an emulated cluster)")
+  if devices.learners_sharing_devices > 1:
+    _fail("devices.learners_sharing_devices", devices.learners_sharing_devices,
+          f"must be 1 with config.ray.tpu_slice={name!r}: a learner holds its slice alone")
+  if any(t != match[0] for t in devices.tpu_topologies):
+    _fail("devices.tpu_topologies", devices.tpu_topologies,
+          f"must be () or every learner's {match[0]!r}: with config.ray.tpu_slice each learner "
+          "is one such slice")
+  return found
 
 
 # Resources Ray itself accounts for: a placement field names a custom one.
@@ -832,7 +931,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   compilation_cache_dir = _compilation_cache_dir(config, workdir)
   donate_state = _check_choice(config, "donate_state", DONATE_STATE)
   runtime, ray_settings = _resolve_runtime(config, mode, chaos_settings, late_learners,
-                                           mesh_shapes, devices.learners_sharing_devices)
+                                           mesh_shapes, devices)
   tape = _check_bool(config, "tape")
   replay = _replay(config, workdir, mode, runtime, chaos_settings, late_learners)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"

@@ -107,6 +107,11 @@ def get_config() -> ml_collections.ConfigDict:
   # a lost host's learner restarts on a spare that advertises it too. "" = any node with a CPU.
   config.ray.learner_resource = ""
   config.ray.syncer_resource = ""  # the same for the syncer's process (and its spare host)
+  # runtime=ray on a cluster of TPU VMs: "" = off | a generation and topology ("v5p:2x2x2", a
+  # v5p-16): each learner is one whole slice of it, claimed through Ray's slice head resource, with
+  # one process per host (processes_per_learner is the slice's host count) in a jax.distributed
+  # job of its own, MEGASCALE_* cleared; a slice that loses a host is left whole for a free one.
+  config.ray.tpu_slice = ""
 
   config.devices = ml_collections.ConfigDict()
   config.devices.platform = "cpu"  # cpu | gpu | tpu: the platform whose devices the learners use

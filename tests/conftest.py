@@ -179,6 +179,30 @@ def act_when(condition, then, timeout_s=120.0):
   return thread
 
 
+def ray_node_args(resource=None, num_cpus=1, **extra) -> dict:
+  """Arguments of `ray.cluster_utils.Cluster.add_node` for a node on loopback, with one unit of
+  the custom `resource` (if any) and the runtime's Ray environment (`ray_runtime.LOCAL_ENV`)."""
+  from decoupled_diloco.runtime.transport import ray_runtime  # pylint: disable=g-import-not-at-top
+  args = dict(num_cpus=num_cpus, node_ip_address="127.0.0.1",
+              resources={resource: 1} if resource else {}, env_vars=dict(ray_runtime.LOCAL_ENV))
+  args.update(extra)
+  return args
+
+
+def remove_ray_node(cluster, node_id: str) -> None:
+  """Takes a node of `cluster` away with every process on it (its raylet and object store
+  too), at once: a lost host."""
+  [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+  cluster.remove_node(node, allow_graceful=False)
+
+
+def token_account_closes(summary) -> None:
+  """Every token x fragment made is merged, discarded, lost at a failure or unmerged at the end."""
+  accounting = summary["fragment_token_accounting"]
+  assert accounting["made"] == sum(accounting[k] for k in (
+      "merged", "discarded", "lost_at_failures", "unmerged_at_end")), accounting
+
+
 def pytest_configure(config):
   """One compilation cache per test session: runs that rebuild the same learner meshes and steps
   (most runtime tests) load the compiled programs instead of compiling them again."""

@@ -14,8 +14,11 @@ import time
 import pytest
 
 from decoupled_diloco.runtime import train
-from decoupled_diloco.runtime.transport import ray_runtime  # sets Ray's loopback variable first
+from decoupled_diloco.runtime.transport import ray_runtime  # noqa: F401 (Ray's loopback first)
 from tests.conftest import act_when
+from tests.conftest import ray_node_args
+from tests.conftest import remove_ray_node
+from tests.conftest import token_account_closes
 from tests.conftest import tiny_flags
 from tests.conftest import tiny_settings
 
@@ -29,11 +32,6 @@ LEARNER_HOST, SYNCER_HOST = "learner_host", "syncer_host"
 _CACHE = {"dir": ""}
 
 
-def _node_args(resource: str | None, num_cpus: int = 1) -> dict:
-  return dict(num_cpus=num_cpus, node_ip_address="127.0.0.1",
-              resources={resource: 1} if resource else {}, env_vars=dict(ray_runtime.LOCAL_ENV))
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
   """A head (the driver's node), three learner hosts (two learners and a spare) and two syncer
@@ -43,10 +41,10 @@ def cluster(tmp_path_factory):
   is dead to Ray within about two seconds (health checks every 0.5 s)."""
   _CACHE["dir"] = str(tmp_path_factory.mktemp("ray_jax_cache"))
   made = cluster_utils.Cluster(initialize_head=True, head_node_args=dict(
-      _node_args(None, num_cpus=8), _system_config={"health_check_period_ms": 500,
+      ray_node_args(None, num_cpus=8), _system_config={"health_check_period_ms": 500,
                                         "health_check_failure_threshold": 3}))
   for resource in (LEARNER_HOST,) * 3 + (SYNCER_HOST,) * 2:
-    made.add_node(**_node_args(resource))
+    made.add_node(**ray_node_args(resource))
   made.wait_for_nodes()
   ray.init(address=made.address)
   assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}  # loopback only
@@ -68,12 +66,6 @@ def _hosts(resource: str) -> set[str]:
   return {n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]}
 
 
-def _remove_host(cluster, node_id: str) -> None:
-  """Takes the node away with every process on it (its raylet and object store too), at once."""
-  [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
-  cluster.remove_node(node, allow_graceful=False)
-
-
 @pytest.fixture(autouse=True)
 def hosts_back(cluster):
   """After each test, the hosts it lost are added back (from the main thread: Ray's node start
@@ -84,14 +76,8 @@ def hosts_back(cluster):
     cluster.remove_node(node, allow_graceful=False)  # one a node_loss fault took down: forgotten
   for resource, count in ((LEARNER_HOST, 3), (SYNCER_HOST, 2)):
     for _ in range(count - len(_hosts(resource))):
-      cluster.add_node(**_node_args(resource))
+      cluster.add_node(**ray_node_args(resource))
   cluster.wait_for_nodes()
-
-
-def _accounting_closes(summary) -> None:
-  accounting = summary["fragment_token_accounting"]
-  assert accounting["made"] == sum(accounting[k] for k in (
-      "merged", "discarded", "lost_at_failures", "unmerged_at_end")), accounting
 
 
 @pytest.mark.slow  # the host-loss test below checks the learners' placement in the default suite
@@ -117,7 +103,7 @@ def test_a_learner_s_host_lost_mid_run_it_rejoins_on_the_spare_host(cluster, tmp
 
   def remove():
     lost["step0"], lost["syncer_pid"] = run.learners[0].step, run.syncer.pid
-    _remove_host(cluster, first[1])
+    remove_ray_node(cluster, first[1])
     os.kill(lost["syncer_pid"], signal.SIGKILL)  # this machine's pid: a kill -9 on its host
 
   remover = act_when(lambda: run.learners[1].step >= 4, remove)
@@ -137,7 +123,7 @@ def test_a_learner_s_host_lost_mid_run_it_rejoins_on_the_spare_host(cluster, tmp
   # Every merge the learners hold is on the command's tape, also those made just before the
   # syncer's process died (ray_syncer's _TapeGate: without it three fragment-steps were in no
   # bucket once).
-  _accounting_closes(summary)
+  token_account_closes(summary)
 
 
 @pytest.mark.slow  # the test above loses a learner's host in the default suite
@@ -151,7 +137,7 @@ def test_the_syncer_s_host_lost_mid_run_it_is_restored_on_the_spare_host(cluster
 
   def remove():
     lost["pid"] = run.syncer.pid
-    _remove_host(cluster, first)
+    remove_ray_node(cluster, first)
 
   remover = act_when(lambda: min(l.step for l in run.learners) >= 4, remove)
   summary = train.execute(run, progress=False)
@@ -161,7 +147,7 @@ def test_the_syncer_s_host_lost_mid_run_it_is_restored_on_the_spare_host(cluster
   assert summary["syncer_restarts"] == 1 and run.keeper.syncer.pid != lost["pid"]
   assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [40, 40]
   assert summary["double_merged_offers"] == 0 and summary["merges"] >= 4
-  _accounting_closes(summary)
+  token_account_closes(summary)
 
 
 @pytest.mark.slow  # two learners of two processes each on four hosts, one host lost: ~1 min here
@@ -175,7 +161,7 @@ def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare
   node), Ray places the lost bundle on the spare host, and learner 1 rejoins as a whole, from
   learner 0's state, while learner 0 trains on."""
   for _ in range(5 - len(_hosts(LEARNER_HOST))):  # four processes and a spare
-    cluster.add_node(**_node_args(LEARNER_HOST))
+    cluster.add_node(**ray_node_args(LEARNER_HOST))
   cluster.wait_for_nodes()
   run = train.build(_settings(cluster, tmp_path, num_steps=48, ray__processes_per_learner=2,
                               learner_mesh_shapes=((2, 1),), checkpoint__every_steps=16))
@@ -185,7 +171,7 @@ def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare
 
   def remove():
     lost["step0"] = run.learners[0].step
-    _remove_host(cluster, first[1][lost_process])
+    remove_ray_node(cluster, first[1][lost_process])
 
   remover = act_when(lambda: run.learners[1].step >= 4, remove)
   summary = train.execute(run, progress=False)
@@ -199,7 +185,7 @@ def test_a_multi_process_learner_losing_one_host_rejoins_as_a_whole_on_the_spare
   assert failure["learner"] == 1 and failure["state_from"] == "learner 0"
   assert summary["rejoins"] == 1 and summary["double_merged_offers"] == 0
   assert summary["unmerged_steps_at_end"] == [0, 0]
-  _accounting_closes(summary)
+  token_account_closes(summary)
   assert summary["learner_replicas_agree"] == [True, True]
 
 
@@ -251,7 +237,7 @@ def test_the_command_killed_mid_run_leaves_no_actor_and_the_same_command_resumes
   assert resume["from"] == str(jobs / str(newest)) and resume["clock"] == newest >= 16
   assert summary["learner_steps"] == [48, 48] and summary["learner_errors"] == [None, None]
   assert summary["double_merged_offers"] == 0
-  _accounting_closes(summary)
+  token_account_closes(summary)
   assert _alive_actors() == []
 
 
@@ -294,4 +280,4 @@ def test_node_losses_from_the_chaos_schedule_take_a_learner_s_and_the_syncer_s_h
   assert sorted(f["learner"] for f in summary["failures"]) == [0, 1]
   assert summary["learner_errors"] == [None, None] and summary["learner_steps"] == [64, 64]
   assert summary["double_merged_offers"] == 0
-  _accounting_closes(summary)
+  token_account_closes(summary)

@@ -346,6 +346,47 @@ def test_processes_per_learner_is_validated_with_the_runtime_and_the_meshes():
     settings.validate(_config(**{"runtime": "ray", "ray.processes_per_learner": 0}))
 
 
+_ON_V5P_16 = {"runtime": "ray", "ray.address": "auto", "ray.tpu_slice": "v5p:2x2x2",
+              "learner_mesh_shapes": ((4, 2),)}
+
+
+def test_a_tpu_slice_is_sized_by_ray_and_sets_the_processes_per_learner():
+  assert settings.validate(_config()).ray.slice is None  # off by default
+  run = settings.validate(_config(**_ON_V5P_16))
+  shape = run.ray.slice
+  assert (shape.pod_type, shape.hosts, shape.chips_per_host) == ("v5p-16", 2, 4)
+  assert (shape.head_resource, shape.accelerator_type) == ("TPU-v5p-16-head", "TPU-V5P")
+  assert run.ray.processes_per_learner == 2 and run.ray.tpu_slice == "v5p:2x2x2"
+  assert settings.validate(_config(**_ON_V5P_16, **{"ray.processes_per_learner": 2})).ray.slice
+  v5e = settings.validate(_config(**{**_ON_V5P_16, "ray.tpu_slice": "v5e:4x4",
+                                     "learner_mesh_shapes": ((4, 4),)}))
+  assert (v5e.ray.slice.pod_type, v5e.ray.processes_per_learner) == ("v5litepod-16", 4)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"ray.tpu_slice": "v5p-16"}, "config.ray.tpu_slice='v5p-16' is invalid: must be '' (off) or "
+     "a TPU generation and topology like 'v5p:2x2x2'"),
+    ({"ray.tpu_slice": "v5p:2x2x3"}, "config.ray.tpu_slice='v5p:2x2x3' is invalid: is not a TPU "
+     "slice Ray's slice placement knows: 2x2x1, 2x2x2"),
+    ({"ray.address": ""}, "config.ray.tpu_slice='v5p:2x2x2' is invalid: needs "
+     "config.runtime='ray' on a cluster of TPU VMs"),
+    ({"ray.processes_per_learner": 4}, "config.ray.processes_per_learner=4 is invalid: must be 2 "
+     "(or 1, the default, which is read as 2): config.ray.tpu_slice='v5p:2x2x2' is a v5p-16 of 2 "
+     "hosts"),
+    ({"learner_mesh_shapes": ((2, 1),)}, "learner 0's mesh (2, 1) must have 8 devices, the chips "
+     "of the v5p-16"),
+    ({"ray.learner_resource": "learner_host"}, "config.ray.learner_resource='learner_host' is "
+     "invalid: must be '' with config.ray.tpu_slice='v5p:2x2x2'"),
+    ({"devices.tpu_topologies": ("v5p:2x4x4",)}, "config.devices.tpu_topologies=('v5p:2x4x4',"),
+    ({"devices.platform": "gpu"}, "config.devices.platform='gpu' is invalid: must be 'tpu' with "
+     "config.ray.tpu_slice"),
+])
+def test_a_bad_tpu_slice_is_refused_naming_the_field(fields, needle):
+  with pytest.raises(ValueError) as raised:
+    settings.validate(_config(**{**_ON_V5P_16, **fields}))
+  assert needle in str(raised.value)
+
+
 @pytest.mark.parametrize("fields,needle", [
     ({"devices.learners_sharing_devices": 0},
      "config.devices.learners_sharing_devices=0 is invalid: must be between 1 and "

@@ -240,7 +240,8 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
         learners, current_syncer, init_opt_state=jax.jit(tx.init), repaired_at=repaired_at,
         max_restarts=settings.max_restarts, metrics=metrics, late_learners=held_back,
         on_join=injector.record_join if injector is not None else None,
-        lost_slices=lost_slices or _pathways_slices(settings, learner_meshes))
+        lost_slices=lost_slices or _pathways_slices(settings, learner_meshes),
+        lost_slice=transport.lost_slice(learners))
     supervisor.restarts = list(history["restarts"])
     supervisor.start_steps = list(history["start_steps"])
     supervisor_box[0] = supervisor

@@ -57,6 +57,10 @@ class Transport(Protocol):
                   ) -> Callable[[int], float]:
     """When a failed learner can be restarted, given when its devices are back."""
 
+  def lost_slice(self, learners: Sequence[Any]) -> Callable[[int], bool | None]:
+    """Whether failed learner m lost a host of its TPU slice (config.ray.tpu_slice; None: not
+    known yet): a restart that does not count against config.max_restarts."""
+
   def finish(self, learners: Sequence[Any], syncer) -> None:
     """After a run that ended well: checks what only the transport can, and ends it."""
 

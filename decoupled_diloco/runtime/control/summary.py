@@ -244,10 +244,10 @@ def _fault_summary(run: run_lib.Run, tape, incarnations, steps_made,
       "faults": faults,
       "failures": failures,
       "rejoins": sum(1 for r in failures if r.get("restarted")),
-      # By cause: the learners' own failures, and (under Pathways) slices lost and waited for.
-      # A record from before causes were kept was the learner's own.
-      "application_failures": sum(1 for r in failures if r.get("cause", supervisor_lib.APPLICATION)
-                                  == supervisor_lib.APPLICATION),
+      # By cause: the learners' own failures, and slices lost (under Pathways, waited for; under
+      # config.ray.tpu_slice, left for another slice). A record from before causes were kept, or
+      # whose cause was still unknown when the run ended, counts as the learner's own.
+      "application_failures": sum(1 for r in failures if r.get("cause") != supervisor_lib.LOST_SLICE),
       "lost_slice_failures": sum(1 for r in failures
                                  if r.get("cause") == supervisor_lib.LOST_SLICE),
       "joins": sum(1 for f in faults if f["fault"] == "join"),  # late learners admitted

@@ -21,14 +21,17 @@ now for a failure that took no device down), and starts the next incarnation:
 The failed incarnation's state is never read again: only its host-side counters, to account for
 what it lost. Each restart is a record in `records` and a `rejoin` line in metrics.jsonl.
 
-A failure is the learner's own (`cause` "application": a bug, a non-finite loss, a crash fault) or,
-under Pathways, a lost slice (`cause` "lost_slice", as pathwaysutils classifies the error:
-slice_watch.py). A lost slice waits for its slice to answer again instead of `repaired_at`, and
-does not count against `max_restarts`: that bound is for a learner that keeps failing on its own,
-and a slice that comes back is the infrastructure's to answer for. pathwaysutils reads INTERNAL,
-NOT_FOUND and DEADLINE_EXCEEDED errors as lost slices too: one whose slices answer at the first
-check was no slice lost, and becomes the learner's own failure (else a learner failing so on its
-own would rejoin without end).
+A failure is the learner's own (`cause` "application": a bug, a non-finite loss, a crash fault) or
+its slice lost (`cause` "lost_slice"): under Pathways as pathwaysutils classifies the error
+(slice_watch.py), under config.ray.tpu_slice a host of the learner's TPU slice lost (it moves whole
+to another slice). A lost slice does not count against `max_restarts`: that bound is for a learner
+that keeps failing on its own, and a long run on preemptible slices would spend any budget on
+lost ones. Under Pathways a lost slice waits for its slice to answer again instead of
+`repaired_at`; pathwaysutils reads INTERNAL, NOT_FOUND and DEADLINE_EXCEEDED errors as lost slices
+too, and one whose slices answer at the first check was no slice lost: it becomes the learner's
+own failure (else a learner failing so on its own would rejoin without end). Under Ray which it
+was is known only once the learner's processes are back or a host is declared dead (`cause` None
+until then), so for such a learner the decision to give up waits for its repair.
 
 A late learner (`config.late_learners`, a scavenged slice: docs/failures.md) joins through the same
 path as a rejoin (docs/design.md §6): it is built but neither started nor attached to the syncer,
@@ -71,12 +74,15 @@ class Supervisor:
                late_learners: tuple[int, ...] = (),
                on_join: Callable[..., dict[str, Any]] | None = None,
                lost_slices: slice_watch_lib.SliceWatch | None = None,
+               lost_slice: Callable[[int], bool | None] = lambda m: False,
                clock: Callable[[], float] = time.monotonic):
     self.learners = learners  # the run's list: a restart replaces its entry
     self._syncer = syncer  # the running syncer; None while it is down (a rejoin then waits)
     self._init_opt_state = init_opt_state
     self._repaired_at = repaired_at
     self._max_restarts = max_restarts
+    # config.ray.tpu_slice: whether failed learner m lost a host of its slice (None: not known yet).
+    self._lost_slice = lost_slice
     self._metrics = metrics
     # Under Pathways: which failures are lost slices, and when those are back (None: none are).
     self._lost_slices = lost_slices
@@ -89,7 +95,7 @@ class Supervisor:
     self._on_join = on_join
     # learner -> (its rejoin or join record, when its devices were repaired)
     self._waiting_first_step: dict[int, tuple[dict[str, Any], float]] = {}
-    self.restarts = [0] * len(learners)
+    self.restarts = [0] * len(learners)  # per learner, restarts counted against max_restarts
     self.retired: list[learner_lib.Learner] = []  # failed incarnations, for the accounting
     self.start_steps = [0] * len(learners)  # where each learner's current incarnation started
     self.records: list[dict[str, Any]] = []
@@ -177,13 +183,14 @@ class Supervisor:
   def _repaired(self, m: int, now: float) -> bool:
     """Failed learner m can start again: its lost slice is back, or its devices are repaired."""
     record = self._failed[m]
-    if record.get("cause") == LOST_SLICE:
+    if record.get("_watched"):
       if self._lost_slices.back_at(m) is None:
         return False
       if not self._lost_slices.answered_at_once(m):
         return True
       # Its slices never went down: the learner's own failure after all.
       self._lost_slices.forget(m)
+      del record["_watched"]
       record.update(cause=APPLICATION, slices_answered_at_once=True)
       logging.warning("learner %d: its slices answered the first check, so %s was its own error",
                       m, record["error"])
@@ -199,29 +206,37 @@ class Supervisor:
   def _on_failure(self, m: int, learner: learner_lib.Learner, now: float) -> None:
     counters = learner.counters()
     self.retired.append(learner)
-    lost_slice = self._lost_slices is not None and self._lost_slices.is_lost_slice(learner.error)
+    watched = self._lost_slices is not None and self._lost_slices.is_lost_slice(learner.error)
     record = {"learner": m, "incarnation": learner.incarnation, "step": learner.step,
               "failed_at_s": self._elapsed(now), "error": repr(learner.error),
-              "cause": LOST_SLICE if lost_slice else APPLICATION,
+              "cause": LOST_SLICE if watched else self._cause(m),
               "unmerged_fragment_steps": int(counters.steps.sum()),
               # Per fragment, what its host-side counters held and the Theta_p versions it had
               # applied: the summary subtracts what merges in flight still took in.
               "counter_tokens": counters.tokens.tolist(),
               "anchor_versions": counters.anchor_versions.tolist()}
+    if watched:
+      record["_watched"] = True  # waits for slice_watch's check, not for repaired_at
     self.records.append(record)
-    if lost_slice:
+    if record.get("_watched"):
       self._failed[m] = record
       self._lost_slices.watch(m)
       logging.warning("learner %d lost its slice at step %d (%r); it rejoins once the slice is back",
                       m, learner.step, learner.error)
       return
-    if self.restarts[m] >= self._max_restarts:
+    if record["cause"] == APPLICATION and self.restarts[m] >= self._max_restarts:
       self._give_up(m, record)
       return
     self._failed[m] = record
     logging.warning("learner %d failed at step %d (%r); it held %d fragment-steps no applied merge "
                     "had taken in; it restarts once repaired", m, learner.step, learner.error,
                     record["unmerged_fragment_steps"])
+
+  def _cause(self, m: int) -> str | None:
+    """Under config.ray.tpu_slice: lost_slice if a host of learner m's slice was lost, None while
+    that is not known; otherwise application."""
+    lost = self._lost_slice(m)
+    return None if lost is None else LOST_SLICE if lost else APPLICATION
 
   def _give_up(self, m: int, record: dict[str, Any]) -> None:
     """Learner m has failed once more than config.max_restarts allows: it stays down."""
@@ -243,18 +258,26 @@ class Supervisor:
     return self._failed.get(m, {}).get("_joining", False)
 
   def _rejoin(self, m: int) -> None:
-    record = self._failed.pop(m)
+    # The record stays in `_failed` until the new incarnation is in `learners`: a rejoin that
+    # builds for long (new processes, on another TPU slice) keeps the run `pending`, where the
+    # controller would otherwise see every learner finished (the failed one too) and end the run.
+    record = self._failed[m]
     joining = record.get("_joining", False)
     failed = self.learners[m]
     if not joining:
       failed.join(timeout=10)  # it has failed; its thread is only posting its exit
+      if record["cause"] is None:
+        record["cause"] = self._cause(m) or APPLICATION  # known now that it is repaired
+      if record["cause"] == APPLICATION and self.restarts[m] >= self._max_restarts:
+        del self._failed[m]
+        self._give_up(m, record)
+        return
     repaired = self._clock()
     syncer = self._syncer()
     try:
       theta, versions = syncer.model.received()
     except handles.SyncerGone as err:
       logging.warning("learner %d rejoins once the syncer is back (%s)", m, err)
-      self._failed[m] = record
       return
     layout = failed.layout
     peer = self._healthy_peer(m)
@@ -274,7 +297,6 @@ class Supervisor:
       new = failed.respawn(snapshot)
     except handles.GoneWhileRestarting as err:
       logging.warning("%s; it rejoins once its process is back", err)
-      self._failed[m] = record
       return
     # The event tape (runtime/records/event_tape.py): what a replay needs to make this incarnation again.
     new.tape_respawn(
@@ -285,11 +307,12 @@ class Supervisor:
         peer_step=None if published is None else published.step,
         peer_publication=None if published is None else published.index)
     self.learners[m] = new
+    del self._failed[m]
     self.start_steps[m] = step
-    if record.get("cause") == LOST_SLICE:
+    if record.get("_watched"):
       record["slice_back_at_s"] = self._elapsed(self._lost_slices.back_at(m))
       self._lost_slices.forget(m)
-    elif not joining:
+    if not joining and record["cause"] == APPLICATION:
       self.restarts[m] += 1
     syncer.attach(m, new, step=step, incarnation=new.incarnation, anchor_versions=versions)
     new.start()

@@ -169,6 +169,9 @@ class LearnerProcessHandle(LearnerHandle, Protocol):
   def check_replicas(self) -> bool | None:
     ...
 
+  def lost_slice(self) -> bool | None:
+    ...
+
   def kill(self) -> None:
     ...
 

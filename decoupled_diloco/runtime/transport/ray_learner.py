@@ -12,6 +12,12 @@ the learner's error; the supervisor's rejoin (peer state and Theta, unchanged co
 `respawn`, which hands the new process its snapshot and the next incarnation. A process of a
 learner over several that dies or fails takes the learner's others down (`RemoteLearner._fail`),
 and the learner rejoins as a whole in fresh processes (a new jax.distributed job, `join_group`).
+
+A learner on a TPU slice (config.ray.tpu_slice) restarts in place, on the same slice, after an
+application failure (its step raised, a process was killed on a live host); a slice that lost a
+host (declared dead by Ray, its processes with it) is a lost slice, and the learner moves, whole,
+to an intact one (`ray_tpu_slices.SliceHome.move`) before it rejoins. `lost_slice` tells the
+supervisor which of the two it was: only application failures count against config.max_restarts.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.faults import injector as injector_lib
 from decoupled_diloco.runtime.transport import ray_links
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
+from decoupled_diloco.runtime.transport import ray_tpu_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +60,9 @@ class RemoteLearner:
 
   def __init__(self, index: int, actor, *, secret: bytes, port, metrics, layout, like,
                num_devices: int, device_kind: str, incarnation: int = 0, pid=None,
-               step_hook=None, placement=None):
-    """`actor`, `pid`: the learner's process, or the lists of its processes (leader first)."""
+               step_hook=None, placement=None, home=None):
+    """`actor`, `pid`: the learner's process, or the lists of its processes (leader first).
+    `home`: with config.ray.tpu_slice, the learner's `ray_tpu_slices.SliceHome`."""
     self.index, self.incarnation = index, incarnation
     self._actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
     self.pids = list(pid) if isinstance(pid, (list, tuple)) else [pid]
@@ -66,6 +74,11 @@ class RemoteLearner:
     # The Ray nodes (hosts) its processes run on, leader first.
     self.nodes = ray.get([a.node.remote() for a in self._actors], timeout=plumbing.CALL_TIMEOUT_S)
     self._placement = placement  # a multi-process learner's placement group (all incarnations)
+    self._home = home  # config.ray.tpu_slice: the slice it runs on (all incarnations)
+    # Once this incarnation has failed, on a slice: whether it lost a host of it (None: not known
+    # until its processes are back on the slice, or Ray declares one of its hosts dead).
+    self._lost_slice: bool | None = None
+    self._moved = False  # its processes were started afresh on another slice (`respawn`)
     # The lists the statuses' latest entries are appended to; the rest is read from `_status`.
     self.losses: list[float] = []
     self.step_times: list[float] = []
@@ -245,36 +258,70 @@ class RemoteLearner:
     incarnation = self.incarnation + 1
     import ray  # pylint: disable=g-import-not-at-top
     try:
-      for actor in self._actors:
+      actors = self._processes_to_rejoin()
+      for actor in actors:
         plumbing.wait_until_up(actor, f"learner {self.index}")
-      if len(self._actors) > 1:
+      if len(actors) > 1:
         # Fresh processes (a failure ends all of them, `_fail`): a new jax.distributed job.
-        join_group(self._actors, self.index, self._secret)
+        join_group(actors, self.index, self._secret)
       mac = plumbing.sign(self._secret, "restore", self.index, incarnation)
-      pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in self._actors],
+      pids = ray.get([a.restore.remote(snapshot, incarnation, mac) for a in actors],
                      timeout=plumbing.CALL_TIMEOUT_S * 5)
-      made = RemoteLearner(self.index, self.actor, secret=self._secret, port=self._port,
+      made = RemoteLearner(self.index, actors if len(actors) > 1 else actors[0],
+                           secret=self._secret, port=self._port,
                            metrics=self._metrics, layout=self.layout, like=self.state_like,
                            num_devices=self.num_devices, device_kind=self.device_kind,
                            incarnation=incarnation, pid=pids, step_hook=self._step_hook,
-                           placement=self._placement)
+                           placement=self._placement, home=self._home)
+    except ray_tpu_slices.NoFreeSlice as err:
+      raise handles.GoneWhileRestarting(
+          f"learner {self.index}: its slice lost a host and {err}") from err
     except ray.exceptions.RayActorError as err:
       # Killed again while being restored (another fault, its host lost): Ray restarts it again.
       self._up_ref = None
       raise handles.GoneWhileRestarting(
           f"learner {self.index}: its process died while it rejoined ({type(err).__name__})"
       ) from err
+    where = f" on slice {self._home.slice.name}" if self._home is not None else ""
     for i, (pid, node) in enumerate(zip(pids, made.nodes)):
-      logging.info("learner %d pid %d (incarnation %d%s)%s", self.index, pid, incarnation,
-                   f", process {i} of {len(pids)}" if len(pids) > 1 else "",
+      logging.info("learner %d pid %d (incarnation %d%s)%s%s", self.index, pid, incarnation,
+                   f", process {i} of {len(pids)}" if len(pids) > 1 else "", where,
                    plumbing.on_node(node))
     return made
+
+  def _processes_to_rejoin(self) -> list:
+    """The processes the next incarnation runs in: this learner's own, which Ray restarted in
+    place; after a lost slice, new ones on an intact slice (moved once: again only if that slice
+    too lost a host before the rejoin went through)."""
+    if self._home is None or not self._lost_slice:
+      return self._actors
+    if not self._moved or not self._home.intact():
+      logging.warning("learner %d: slice %s lost a host; it moves, whole, to another",
+                      self.index, self._home.slice.name if self._home.slice else "(none)")
+      self._moved = False
+      self._home.move()
+      self._moved = True
+      logging.info("learner %d claimed slice %s", self.index, self._home.slice.name)
+    return self._home.actors
+
+  def lost_slice(self) -> bool | None:
+    """This failed incarnation, on a TPU slice: whether it lost a host of its slice (then it
+    moves to another, and its restart does not count against config.max_restarts); None until
+    that is known (`process_up`). Not on a slice: False (every failure counts, as ever)."""
+    return False if self._home is None else self._lost_slice
 
   def process_up(self) -> bool:
     """Whether this learner's process answers (after a death: whether Ray has restarted it and its
     constructor has built a fresh learner). Never blocks: the supervisor polls it as the repair
     time, so a rejoin takes its peer's state once there is a process to hand it to."""
     import ray  # pylint: disable=g-import-not-at-top
+    if self._home is not None and (self._lost_slice or
+                                   not ray_tpu_slices.nodes_alive(self.nodes)):
+      self._lost_slice = True  # a host of its slice is gone: respawn moves it to another
+      # ... once Ray sees a free intact slice (the supervisor's thread would wait in the claim
+      # otherwise), or right away if it moved already and only its rejoin failed.
+      return ((self._moved and self._home.intact())
+              or ray_tpu_slices.free_slice_seen(self._home.shape))
     if self._up_ref is None:
       self._up_ref = [a.pid.remote() for a in self._actors]
     ready, _ = ray.wait(self._up_ref, num_returns=len(self._up_ref), timeout=0)
@@ -282,10 +329,14 @@ class RemoteLearner:
       return False
     refs, self._up_ref = self._up_ref, None
     try:
-      ray.get(refs, timeout=0)
-      return True
+      pids = ray.get(refs, timeout=0)
     except Exception:  # pylint: disable=broad-except
       return False  # still restarting: ask again at the next poll
+    if self._home is not None:
+      if set(pids) & set(self.pids):
+        return False  # a process that was ended answered before it went: ask again
+      self._lost_slice = False  # every process is back, on the same hosts: the slice is whole
+    return True
 
   def end(self) -> None:
     """Stops watching and ends the learner's process (the run is over)."""
@@ -296,6 +347,8 @@ class RemoteLearner:
     if self._placement is not None:
       from ray.util import remove_placement_group  # pylint: disable=g-import-not-at-top
       remove_placement_group(self._placement)  # its CPUs back to the cluster
+    if self._home is not None:
+      self._home.release()  # its slice back to the cluster
 
   def kill(self) -> None:
     """SIGKILL to the learner's process (all of them), as a user's `kill -9` or the OOM killer
@@ -354,7 +407,9 @@ class RemoteLearner:
     # As a failed learner thread does: it trains no more. (Without this, a learner given up after
     # config.max_restarts kept the run waiting for its last step forever.)
     self.finished_training.set()
-    if len(self._actors) > 1:
+    if len(self._actors) > 1 or self._home is not None:
+      # (On a slice also a single process: every incarnation starts in fresh processes, which is
+      # how `process_up` tells its slice is whole.)
       self.kill()
 
   def _watch_other(self, i: int) -> None:

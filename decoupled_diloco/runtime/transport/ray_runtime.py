@@ -3,7 +3,8 @@
 The learner is the same `Learner` as in the threaded runtime, built by the same
 `assembly.learner_parts`, running in a process of its own on its own devices (fake CPU devices are
 requested in that process before its JAX starts). This module holds that process
-(`LearnerProcess`, the actor's body) and starts the actors; only the links differ:
+(`LearnerProcess`, the actor's body; `ray_placement.py` places and starts the actors); only the
+links differ:
 
 - The syncer's pulls (`LearnerLink.offer`) are actor calls. The answer travels back through Ray's
   object store as host arrays; until it has landed the syncer holds a `messages.PendingAnswer` among
@@ -53,7 +54,6 @@ import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import hashlib
 import json
 import math
-import secrets
 import socket
 from typing import Any
 
@@ -67,8 +67,8 @@ from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime.transport import ray_learner
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
+from decoupled_diloco.runtime.transport import ray_tpu_slices
 
 # Keep a local cluster on loopback (the guide's verified setting) and Ray's token auth on.
 # RAY_worker_niceness: Ray starts its workers at nice 15, as background work; a learner or the
@@ -164,6 +164,12 @@ class LearnerProcess:
     """`cut`: this learner's `checkpoints.LearnerCut` in a resumed run (None: from the seed).
     A process of a multi-process learner builds nothing until `join_group`: its JAX must join
     the learner's jax.distributed job before it starts."""
+    # Before anything starts a JAX backend: a TPU VM of a multislice job carries MEGASCALE_*
+    # settings (inherited from the raylet), with which libtpu would join every slice into one
+    # synchronous job; each learner is a job of its own (ray_tpu_slices.py).
+    cleared = ray_tpu_slices.clear_megascale()
+    if cleared:
+      logging.info("learner %d process %d: cleared %s", index, process, ", ".join(cleared))
     self._settings, self._index, self._secret, self._cut = settings, index, secret, cut
     self._process = process
     self._processes = settings.ray.processes_per_learner
@@ -314,6 +320,19 @@ class LearnerProcess:
     import ray  # pylint: disable=g-import-not-at-top
     return ray.get_runtime_context().get_node_id()
 
+  def whereabouts(self) -> dict[str, Any]:
+    """Where this process runs and in which job: its TPU slice and worker (Ray's node labels), its
+    jax.distributed process index and count once built, and any MEGASCALE_* setting it holds."""
+    import ray  # pylint: disable=g-import-not-at-top
+    labels = ray.get_runtime_context().get_node_labels()
+    built = self._learner is not None
+    return {"pid": os.getpid(), "slice": labels.get(ray_tpu_slices.SLICE_NAME_LABEL),
+            "worker": labels.get(ray_tpu_slices.WORKER_ID_LABEL),
+            "process_index": jax.process_index() if built else None,
+            "process_count": jax.process_count() if built else None,
+            "megascale": {k: v for k, v in os.environ.items()
+                          if k.startswith(ray_tpu_slices.MEGASCALE_PREFIX)}}
+
   def lose_host(self, incarnation: int, mac: str) -> None:
     """config.chaos's node_loss: this host goes, with every process on it."""
     self._check(mac, "lose_host", incarnation)
@@ -400,75 +419,3 @@ class LearnerProcess:
     return {"status": learner.status(), "posts": posts, "records": records,
             "thread_alive": learner.alive or not self._started,
             "rejected_calls": self.rejected_calls}
-
-
-def start_learners(settings: settings_lib.RunSettings, *, secret: bytes, port, metrics, layout,
-                   cuts: dict[int, Any], step_hook=None) -> list[ray_learner.RemoteLearner]:
-  """One actor per learner, each in its own process, or config.ray.processes_per_learner actors
-  per learner, each with its share of the learner's devices; logs `learner M pid N` for each.
-
-  `secret`: this job's MAC key (only the command, its syncer and its learners hold it); `cuts`:
-  learner -> its `checkpoints.LearnerCut` in a resumed run."""
-  import ray  # pylint: disable=g-import-not-at-top
-  actor_class = ray.remote(LearnerProcess)
-  processes = settings.ray.processes_per_learner
-  # config.ray.learner_resource: every process on a host that advertises it.
-  resources = {settings.ray.learner_resource: 1} if settings.ray.learner_resource else {}
-  groups = []
-  groups_placed = {}  # learner -> its placement group (multi-process learners)
-  for m, shape in enumerate(settings.learner_mesh_shapes):
-    env = {"JAX_PLATFORMS": settings.devices.platform}
-    if settings.devices.platform == "cpu":
-      env["XLA_FLAGS"] = devices_lib.xla_flags_with_device_count(math.prod(shape) // processes)
-    elif settings.devices.learners_sharing_devices > 1:
-      # Learner processes that share a GPU: each JAX would take 75% of its memory at start-up.
-      # Each takes its share of that instead, which its own memory check then holds it to.
-      # Not run on a GPU so far.
-      env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = (
-          f"{0.75 / settings.devices.learners_sharing_devices:.4f}")
-    tag = secrets.token_hex(4)
-    placement = {}
-    if processes > 1:
-      # One process per host: a placement group of one bundle per process, spread over distinct
-      # nodes on a cluster (a restarted actor comes back in its bundle, on the same node). A
-      # local Ray is one node: packed there.
-      from ray.util import placement_group  # pylint: disable=g-import-not-at-top
-      from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pylint: disable=g-import-not-at-top
-      group = placement_group([{"CPU": 1, **resources}] * processes,
-                              strategy="STRICT_SPREAD" if settings.ray.address else "PACK")
-      if not group.wait(plumbing.CALL_TIMEOUT_S):
-        raise RuntimeError(
-            f"learner {m}: Ray could not place config.ray.processes_per_learner={processes} "
-            f"processes within {plumbing.CALL_TIMEOUT_S:.0f} s (a cluster needs a node per "
-            "process of a learner, each with a free CPU)")
-      groups_placed[m] = group
-      placement = {i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-                   for i in range(processes)}
-    groups.append([actor_class.options(
-        name=f"learner-{m}-{tag}" + (f"-{i}" if processes > 1 else ""),
-        max_restarts=max(settings.max_restarts, 0),
-        # A multi-process learner's pulls wait in the call for the next step boundary.
-        max_concurrency=8 if processes == 1 else 64, num_cpus=1, runtime_env={"env_vars": env},
-        **({"scheduling_strategy": placement[i]} if placement
-           else {"resources": resources} if resources else {}),
-    ).remote(settings, m, secret, cuts.get(m), i) for i in range(processes)])
-  learners = []
-  for m, actors in enumerate(groups):
-    if processes > 1:
-      pids = ray_learner.join_group(actors, m, secret)
-    else:
-      pids = [ray.get(actors[0].pid.remote(), timeout=plumbing.CALL_TIMEOUT_S * 5)]
-    learners.append(ray_learner.RemoteLearner(
-        m, actors if processes > 1 else actors[0], secret=secret, port=port, metrics=metrics,
-        layout=layout, like=None,
-        num_devices=math.prod(settings.learner_mesh_shapes[m]),
-        device_kind="cpu" if settings.devices.platform == "cpu"
-        else settings.devices.platform,
-        incarnation=cuts[m].incarnation if m in cuts else 0,
-        pid=pids if processes > 1 else pids[0], step_hook=step_hook,
-        placement=groups_placed.get(m)))
-    for i, (pid, node) in enumerate(zip(pids, learners[-1].nodes)):
-      logging.info("learner %d pid %d%s%s", m, pid,
-                   f" (process {i} of {processes})" if processes > 1 else "",
-                   plumbing.on_node(node))
-  return learners

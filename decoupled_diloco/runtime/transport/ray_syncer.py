@@ -39,6 +39,7 @@ from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.transport import ray_links
 from decoupled_diloco.runtime.transport import ray_plumbing as plumbing
+from decoupled_diloco.runtime.transport import ray_tpu_slices
 
 class _TapeGate:
   """Holds the syncer's broadcasts until the command holds every merge record before them.
@@ -417,6 +418,9 @@ def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> 
       name=name, max_restarts=-1, max_concurrency=16, num_cpus=1,
       # config.ray.syncer_resource: on (and restarted on) a host that advertises it.
       **({"resources": {settings.ray.syncer_resource: 1}} if settings.ray.syncer_resource else {}),
+      # config.ray.tpu_slice: never on a TPU VM, whose CPU a learner's bundle on a spare slice
+      # needs (and whose cores are its learner process's).
+      **({"label_selector": ray_tpu_slices.not_on_tpu_hosts()} if settings.ray.slice else {}),
       runtime_env={"env_vars": env}).remote(settings, secret)
   # Its process builds and compiles before it answers: the time a restarted syncer and every
   # learner get (a plain call's 120 s ran out on a loaded 2-core host).

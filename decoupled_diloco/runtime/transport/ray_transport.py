@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.runtime.transport import ray_placement
 from decoupled_diloco.runtime.transport import ray_runtime
 from decoupled_diloco.runtime.transport import ray_syncer
 
@@ -47,9 +48,9 @@ class RayTransport:
                      layout, fragments, cuts: dict[int, Any], held_back: Sequence[int],
                      step_hook, peer_repairing) -> list[Any]:
     del built, fragments, held_back, peer_repairing
-    learners = ray_runtime.start_learners(settings, secret=self._secret, port=port,
-                                          metrics=metrics, layout=layout, cuts=cuts,
-                                          step_hook=step_hook)
+    learners = ray_placement.start_learners(settings, secret=self._secret, port=port,
+                                            metrics=metrics, layout=layout, cuts=cuts,
+                                            step_hook=step_hook)
     for learner in learners:
       cut = cuts.get(learner.index)
       syncer.attach(learner.index, learner, step=learner.step, incarnation=learner.incarnation,
@@ -61,6 +62,10 @@ class RayTransport:
     # A learner process is repaired once its devices are back (config.chaos's down_s) and Ray has
     # restarted it (runtime/transport/ray_runtime.py).
     return lambda m: devices_back(m) if learners[m].process_up() else math.inf
+
+  def lost_slice(self, learners: Sequence[Any]) -> Callable[[int], bool | None]:
+    # (`learners`: the run's list, whose entries the supervisor replaces at each rejoin.)
+    return lambda m: learners[m].lost_slice()
 
   def finish(self, learners: Sequence[Any], syncer) -> None:
     for learner in learners:

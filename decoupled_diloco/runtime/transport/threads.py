@@ -76,6 +76,10 @@ class ThreadsTransport:
     del learners  # a learner thread is repaired once its devices are back
     return devices_back
 
+  def lost_slice(self, learners: Sequence[Any]) -> Callable[[int], bool | None]:
+    del learners  # a learner thread's failures are the application's
+    return lambda m: False
+
   def finish(self, learners: Sequence[Any], syncer) -> None:
     del learners, syncer  # their threads have ended
 
