@@ -56,6 +56,12 @@ BROADCAST_FORMATS = ("fp32", "bf16")
 # config.compression.broadcast_delta: "none" (full broadcasts) or a lossy outer-gradient format.
 BROADCAST_DELTA_FORMATS = ("none",) + tuple(f for f in compression.FORMATS if f != "fp32")
 
+# Config fields added since checkpoints and tapes were first written, each with the value a run made
+# before it existed ran as: a checkpoint or a tape without the field is read as having it.
+ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
+                "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0",
+                "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''"}
+
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
 _DERIVED = {"derived": True}
 

@@ -141,6 +141,19 @@ def test_a_checkpoint_of_another_experiment_is_refused_naming_the_field(tmp_path
     train.build(_settings(tmp_path, mode="dp", restore="none"))
 
 
+def test_a_checkpoint_written_before_a_field_existed_is_of_the_same_experiment(tmp_path):
+  """A checkpoint's fingerprint without a field added since reads as that field's value before it
+  existed (settings.ADDED_FIELDS): a run upgraded mid-way resumes; another value is refused."""
+  settings = _settings(tmp_path)
+  here = checkpoints.fingerprint(settings)
+  saver = checkpoints.Checkpoints(str(tmp_path / "ckpt"), None, here)
+  older = {k: v for k, v in here.items() if k != "ray.tpu_slice"}
+  saver._check_fingerprint({"fingerprint": older}, "older")  # pylint: disable=protected-access
+  with pytest.raises(checkpoints.CheckpointError, match=r"config\.ray\.tpu_slice='v5p:2x2x2' there"):
+    saver._check_fingerprint({"fingerprint": {**older, "ray.tpu_slice": "'v5p:2x2x2'"}},  # pylint: disable=protected-access
+                             "other")
+
+
 def test_restore_latest_without_a_checkpoint_fails_before_building(tmp_path):
   with pytest.raises(checkpoints.CheckpointError, match="no checkpoint in"):
     train.build(_settings(tmp_path, restore="latest"))

@@ -265,8 +265,10 @@ class Checkpoints:
     elastic = ELASTIC
     if theirs.get("num_learners") != self._fingerprint.get("num_learners"):
       elastic += _WITH_NUM_LEARNERS
+    # A field added since that checkpoint was written: it ran as the field's value before it existed.
     differ = sorted(k for k in set(theirs) | set(self._fingerprint)
-                    if theirs.get(k) != self._fingerprint.get(k) and k not in elastic)
+                    if theirs.get(k, settings_lib.ADDED_FIELDS.get(k)) != self._fingerprint.get(k)
+                    and k not in elastic)
     if differ:
       shown = "; ".join(f"config.{k}={theirs.get(k, '(absent)')} there, "
                         f"{self._fingerprint.get(k, '(absent)')} here" for k in differ[:4])

@@ -77,8 +77,7 @@ IGNORED = ("workdir", "replay", "tape", "restore", "checkpoint.", "log_every", "
 _SYNC_STRUCTURE = ("sync.num_fragments", "sync.fragmentation")
 # Fields added since tape format 1, each with the value a recording made before it ran as: such a
 # recording replayed at that value is an exact replay, not a counterfactual one.
-_ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
-                 "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0"}
+_ADDED_FIELDS = settings_lib.ADDED_FIELDS
 # A learner's own events: its takes and applies, and the respawn that starts an incarnation.
 _LEARNER_KINDS = ("take", "apply", "respawn")
 # Records of a restart a replay does not follow yet.
