@@ -170,13 +170,7 @@ class SliceHome:
     """Ends the processes on the current slice (if any), gives the slice back, claims an intact
     one and starts the learner's processes there (from `cut`); returns them. Raises NoFreeSlice
     with the learner on no slice at all: the next call claims again."""
-    import ray  # pylint: disable=g-import-not-at-top
-    for actor in self.actors:
-      ray.kill(actor, no_restart=True)
-    self.actors = []
-    if self.slice is not None:
-      self.slice.release()
-      self.slice = None
+    self.release()
     self.slice = claim(self.shape, self._timeout_s)
     self.actors = self._spawn(self.slice, cut)
     return self.actors
@@ -185,7 +179,7 @@ class SliceHome:
     return self.slice is not None and intact(self.shape, self.slice.name)
 
   def release(self) -> None:
-    """The run is over: its processes end, and the slice goes back to the cluster."""
+    """Its processes end, and the slice goes back to the cluster (the run is over, or a move)."""
     import ray  # pylint: disable=g-import-not-at-top
     for actor in self.actors:
       ray.kill(actor, no_restart=True)
