@@ -306,8 +306,8 @@ class GlobalModel:
       t0 = time.monotonic()
       stacked = np.zeros((self._padded_learners,) + theta_p[name].shape, np.float32)
       for offer in offers:
-        encoded = compression_lib.encode(offer.outer_gradient(name), wire_formats.outer_grad,
-                                         wire_formats.block_size)
+        encoded = offer.wire_outer_gradient(name, wire_formats.outer_grad,
+                                            wire_formats.block_size)
         bytes_up += encoded.nbytes
         stacked[offer.learner] = compression_lib.decode(encoded)
         if self._merge.anchor == "syncer":

@@ -370,9 +370,10 @@ class LearnerProcess:
     self._check(mac, "offer", incarnation, f"{p}")
     answer = self._learner.offer(p, merged_through)
     if isinstance(answer, messages.Offer):
-      # Host arrays: the object store carries them to the syncer's process.
-      answer = dataclasses.replace(answer, values={n: np.asarray(v, np.float32)
-                                                   for n, v in answer.values.items()})
+      # Delta_m in the wire format, encoded here: what crosses the network is what the syncer
+      # counts (summary.json's bytes_learner_to_syncer), as a learner's host would send it.
+      compression = self._settings.compression
+      answer = answer.for_the_wire(compression.outer_grad, compression.block_size)
     return answer
 
   def deliver(self, broadcast: messages.Broadcast, incarnation: int, mac: str) -> bool:
