@@ -44,6 +44,10 @@ class LearnerLink(Protocol):
   def published(self) -> messages.Publication:  # only for checkpoints (request_cut)
     ...
 
+  @property
+  def training(self) -> bool:  # its latest publication's: read when it attaches
+    ...
+
   def want_full_state(self, seconds: float) -> None:  # publications with the optimizer state
     ...
 

@@ -405,6 +405,11 @@ class LearnerProcess:
                                opt_state=_host(published.opt_state),
                                state_step=_host(published.state_step))
 
+  def training(self, incarnation: int, mac: str) -> bool:
+    """Whether the latest publication is of a learner still training (the syncer's attach)."""
+    self._check(mac, "training", incarnation)
+    return self._learner.training
+
   def stop(self, incarnation: int, mac: str) -> None:
     self._check(mac, "stop", incarnation)
     self._learner.stop()
