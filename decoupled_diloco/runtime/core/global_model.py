@@ -218,6 +218,12 @@ class GlobalModel:
     with self._lock:
       return dict(self._theta[p])
 
+  def offer_wire_bytes(self, p: int) -> int:
+    """Bytes of one learner's outer gradient of fragment p in the wire format."""
+    fmt = self._compression
+    return sum(compression_lib.encoded_nbytes(n, fmt.outer_grad, fmt.block_size)
+               for n in self.fragments[p].sizes)
+
   def version(self, p: int) -> int:
     return self._versions[p]
 

@@ -85,6 +85,9 @@ class SyncerStats:
   final_merges: int = 0  # merges of the flush after training
   merges_due: int = 0  # times a fragment fell due during training
   bytes_up: int = 0  # learner -> syncer, encoded outer gradients
+  # learner -> syncer, every offer taken, merged or not (late, judged stale), encoded: what
+  # crossed the network (the interface counters of scripts/bench_sites.py see these)
+  bytes_offered: int = 0
   bytes_down: int = 0  # syncer -> learners, encoded Theta_p, once per receiving learner
   bytes_allreduce: int = 0  # across syncer shards (ring all-reduce of the merge terms)
   late_offers: int = 0  # taken, but landed after their round closed: weight 0
@@ -207,6 +210,8 @@ class SyncerRounds:
     """Learner m's answer to round_: an offer (still copying to host RAM, or landed), or none."""
     p = round_.fragment
     merged_through = self._merged_through.get((m, p), 0)
+    if isinstance(answer, messages.Offer):
+      self.stats.bytes_offered += self.model.offer_wire_bytes(p)  # taken: it travelled
     if isinstance(answer, messages.Offer) and (
         answer.since < merged_through or answer.anchor_version < self._min_anchor[p]):
       answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
@@ -224,6 +229,7 @@ class SyncerRounds:
   def _accept_pushed(self, offer: messages.Offer) -> None:
     """Lock-step learners push their offers; the first one of a fragment opens its round."""
     p = offer.fragment
+    self.stats.bytes_offered += self.model.offer_wire_bytes(p)
     round_ = self._rounds.get(p)
     if round_ is None and p not in self._merging and self._flush_state == "none":
       round_ = self._open_round(p, offer.step, poll=False)
@@ -288,10 +294,17 @@ class SyncerRounds:
         # Everyone live has answered and the quorum is still out of reach: nothing to merge.
         self._close(round_, [])
 
+  def _count_in_flight(self, copying, p: int) -> None:
+    """Answers still on their way from another process, given up: their bytes travel all the
+    same (an answer not yet read counts as an offer, which nearly every late one is)."""
+    pending = sum(isinstance(answer, messages.PendingAnswer) for answer, _ in copying)
+    self.stats.bytes_offered += pending * self.model.offer_wire_bytes(p)
+
   def _close(self, round_: Round, offers: list[messages.Offer]) -> None:
     p = round_.fragment
     del self._rounds[p]
     self.stats.late_offers += len(round_.copying)  # taken, still copying: weight 0
+    self._count_in_flight(round_.copying.values(), p)
     if not offers:
       if not any(o.fresh for o in round_.offers.values()) and not (self._live & self._training):
         self.stats.empty_rounds += 1  # nobody had a step left: no quorum was missed
