@@ -30,6 +30,9 @@ from decoupled_diloco.algorithm import robust
 from decoupled_diloco.runtime.core import global_model as global_model_lib
 from decoupled_diloco.runtime.core import messages
 
+# How long an answer given up (its round closed first) is waited for, for its bytes only
+_GIVEN_UP_WAIT_S = 30.0
+
 
 class LearnerLink(Protocol):
   """What the syncer calls on a learner; none of it waits for the learner's step loop."""
@@ -136,11 +139,16 @@ class SyncerRounds:
   _cut: Any  # syncer_state.CutRequest | None: no round opens while a cut is asked for
   _flush_state: str
   _flush_done: threading.Event
+  # Answers from other processes still on their way when their round closed: (answer, fragment,
+  # when), read for bytes_offered once they land (`_count_given_up`)
+  _given_up: list[tuple[messages.PendingAnswer, int, float]]
   stats: SyncerStats
 
   def _wait_timeout(self) -> float:
     if any(r.copying for r in self._rounds.values()):
       return 0.002  # poll the copies in flight; the syncer never blocks on a learner's device
+    if self._given_up:
+      return 0.01  # late answers, read for their bytes only
     if any(r.poll for r in self._rounds.values()):
       return 0.005  # a learner may publish without a step (it applied a merge after training)
     deadlines = [r.deadline for r in self._rounds.values() if r.deadline is not None]
@@ -243,6 +251,8 @@ class SyncerRounds:
 
   def _collect_landed_offers(self) -> None:
     """Offers enter their round once their copy to host RAM has landed."""
+    if self._given_up:
+      self._count_given_up()
     now = self._now()
     for round_ in self._rounds.values():
       for m, (offer, _) in list(round_.copying.items()):
@@ -296,9 +306,22 @@ class SyncerRounds:
 
   def _count_in_flight(self, copying, p: int) -> None:
     """Answers still on their way from another process, given up: their bytes travel all the
-    same (an answer not yet read counts as an offer, which nearly every late one is)."""
-    pending = sum(isinstance(answer, messages.PendingAnswer) for answer, _ in copying)
-    self.stats.bytes_offered += pending * self.model.offer_wire_bytes(p)
+    same. Each is read once it lands (`_count_given_up`): an offer counts, a STALE or NOTHING
+    does not, and one that never lands (its learner cut off, or gone) never travelled."""
+    now = self._now()
+    self._given_up.extend((answer, p, now) for answer, _ in copying
+                          if isinstance(answer, messages.PendingAnswer))
+
+  def _count_given_up(self) -> None:
+    """bytes_offered of the given-up answers that have landed since (`_count_in_flight`)."""
+    now, waiting = self._now(), []
+    for answer, p, since in self._given_up:
+      if answer.in_host_memory:
+        if isinstance(answer.result(), messages.Offer):
+          self.stats.bytes_offered += self.model.offer_wire_bytes(p)
+      elif now - since < _GIVEN_UP_WAIT_S:
+        waiting.append((answer, p, since))
+    self._given_up = waiting
 
   def _close(self, round_: Round, offers: list[messages.Offer]) -> None:
     p = round_.fragment
