@@ -134,6 +134,16 @@ def decode_blocks(q_KxB, scale_K):
   return q_KxB.astype(jnp.float32) * scale_K[:, None]
 
 
+def rounded_apart(x, zero):
+  """x, kept out of a fused multiply-add with whatever adds it next: `zero` is an int32 0 passed
+  into the program. XLA:CPU contracts a multiply followed by an add into one fused multiply-add
+  when it optimises (not at --xla_backend_optimization_level=0, the tests' setting): one
+  rounding where numpy's q * s, then + R, rounds twice. An xor of the product's bits with a
+  value the compiler cannot see is zero keeps the two roundings."""
+  bits = lax.bitcast_convert_type(x, jnp.int32) ^ zero
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def round_bf16(x):
   """x through bfloat16 and back, in float32 (round half to even, as ml_dtypes), on the bits: XLA
   may drop a float32 -> bfloat16 -> float32 convert pair as excess precision."""
@@ -142,7 +152,7 @@ def round_bf16(x):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _pack(q_N, fmt: str):
+def pack(q_N, fmt: str):
   """The packed bytes of `compression._pack_int4` / `_pack_int2` (int8: q itself)."""
   if fmt == "int8":
     return q_N
@@ -178,7 +188,7 @@ def payload(x, fmt: str, block_size: int, qmax_K=None):
   scale_K = block_scales(absmax_K, qmax_K)
   q_KxB = quantize(x_KxB, scale_K, QMAX[fmt])
   decoded = decode_blocks(q_KxB, scale_K).reshape(-1)[:n].reshape(x32.shape)
-  return (_pack(q_KxB.reshape(-1)[:n], fmt), scale_K), decoded, clear_of_subnormals(absmax_K)
+  return (pack(q_KxB.reshape(-1)[:n], fmt), scale_K), decoded, clear_of_subnormals(absmax_K)
 
 
 def encoded(arrays, fmt: str, shape, block_size: int) -> compression.Encoded:

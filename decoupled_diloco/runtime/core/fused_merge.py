@@ -47,6 +47,7 @@ from decoupled_diloco.runtime.core import messages
 
 # The block layout of the sums of squares for formats without blocks of their own (fp32, bf16).
 _SUM_BLOCK = 64
+_ZERO = np.int32(0)  # `compression_xla.rounded_apart`'s argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +138,22 @@ def _step_fn(tx: optax.GradientTransformation, rule: str, weighting: str, fmt: s
   return step
 
 
-def _broadcast_fn(fmt: str, block_size: int):
-  """encode(Theta_new - R) and R + its decoded value (module docstring, step 3)."""
+def _finish_broadcast_fn(fmt: str, shape):
+  """The delta's payload as it travels and R + its decoded value (module docstring, step 3),
+  from its wire as `_prepare_fn` made it with Theta_new in the anchor's place and R in the
+  values': Delta = Theta_new - R."""
 
-  def broadcast(theta, received, *qmax_K):
-    arrays, decoded, exact = xla_codec.payload(theta - received, fmt, block_size, *qmax_K)
-    return arrays, received + decoded, exact
+  def finish(wire, received, zero):
+    # R + decoded exactly as the learners add them in numpy (two roundings, no fused add).
+    decoded = xla_codec.rounded_apart(_decode(wire, fmt, shape), zero)
+    if fmt in xla_codec.QMAX:
+      q_KxB, scale_K = wire
+      arrays = (xla_codec.pack(q_KxB.reshape(-1)[:math.prod(shape)], fmt), scale_K)
+    else:
+      arrays = (jnp.ravel(wire[0]),)
+    return arrays, received + decoded
 
-  return broadcast
+  return finish
 
 
 class FusedMerge:
@@ -226,11 +235,16 @@ class FusedMerge:
                             counters)
     return self._programs[key]
 
-  def _broadcast_program(self, shape):
+  def _broadcast_programs(self, shape):
+    """(encode, finish): the delta's wire (a `prepare` program), then its payload and R."""
+    fmt = self._delta_fmt
+    encode = self._prepare_program(shape, fmt)
     example = jax.ShapeDtypeStruct(shape, np.float32)
-    return self._compiled(("broadcast", shape, self._delta_fmt),
-                          lambda: _broadcast_fn(self._delta_fmt, self._block_size),
-                          example, example, *self._divisors(self._delta_fmt, shape))
+    wire = jax.eval_shape(_prepare_fn(fmt, self._block_size), example, example,
+                          *self._divisors(fmt, shape))[0]
+    finish = self._compiled(("finish_broadcast", shape, fmt),
+                            lambda: _finish_broadcast_fn(fmt, shape), wire, example, _ZERO)
+    return encode, finish
 
   def compile(self, theta: Mapping[str, np.ndarray], opt_states: Mapping[str, Any],
               embedding_names: Sequence[str]) -> None:
@@ -243,7 +257,7 @@ class FusedMerge:
       self._step_program(value, opt_states[name], self._wire_format(self._fmt),
                          name in embedding_names)
       if self._delta_fmt is not None:
-        self._broadcast_program(value.shape)
+        self._broadcast_programs(value.shape)
 
   # ---- 1. screen and decode ----------------------------------------------------------------------
 
@@ -322,8 +336,11 @@ class FusedMerge:
   def broadcast(self, new_theta: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]):
     """(wire, R_p after it): encode(Theta_p_new - R_p) in the delta format, and R_p + decoded."""
     fmt = self._delta_fmt
-    dispatched = {n: self._broadcast_program(v.shape)(v, base[n], *self._divisors(fmt, v.shape))
-                  for n, v in new_theta.items()}
+    dispatched = {}
+    for name, value in new_theta.items():
+      encode, finish = self._broadcast_programs(value.shape)
+      delta_wire, _, _, exact = encode(base[name], value, *self._divisors(fmt, value.shape))
+      dispatched[name] = finish(delta_wire, base[name], _ZERO) + (exact,)
     wire, received = {}, {}
     for name, (arrays, value, exact) in dispatched.items():
       if bool(exact):
