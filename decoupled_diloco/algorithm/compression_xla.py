@@ -91,6 +91,11 @@ def block_absmax_and_sumsq(x_KxB):
   return lax.bitcast_convert_type(bits, jnp.float32), sumsq
 
 
+def block_sums(x_KxB):
+  """Per block, the sum of its values (over the same 16-lane view as `block_absmax_and_sumsq`)."""
+  return jnp.sum(jnp.sum(_lanes(x_KxB), axis=1), axis=1)
+
+
 def clear_of_subnormals(absmax_K):
   """True when no block's largest |value| is in (0, 2^-100): the exact-arithmetic range here."""
   bits = lax.bitcast_convert_type(absmax_K, jnp.int32)
@@ -110,22 +115,24 @@ def block_scales(absmax_K, qmax_K):
 def quantize(x_KxB, scale_K, qmax: int):
   """round-half-even(x / s) per value, clipped to [-q_max, q_max], as int8: numpy's float64 result.
 
-  q0 = rint(x / s) in float32 is off by one only where x / s lies within a float32 rounding of a
-  half. The remainder r = x - q0 s decides exactly: with s = s_hi + s_lo (s_hi the 12 high
-  mantissa bits), q0 s_hi and q0 s_lo are exact (at most 7 + 12 bits), x - q0 s_hi is exact (its
-  operands are within about one s of each other, so at most 24 significant bits), and so is the
-  last difference. Then |2r| > s, or |2r| = s at an odd q0, moves q0 one step towards x.
+  q0 = rint(x * (1 / s)) in float32 is within one of it, and off only where x / s lies within a
+  few float32 roundings of a half. The remainder r = x - q0 s decides exactly: with s = s_hi +
+  s_lo (s_hi the 12 high mantissa bits), q0 s_hi and q0 s_lo are exact (at most 7 + 12 bits),
+  x - q0 s_hi is exact (its operands are within about one s of each other, so at most 24
+  significant bits), and so is the last difference (a fused multiply-add changes none of them).
+  Then |2r| > s, or |2r| = s at an odd q0, moves q0 one step towards x. The per-block values are
+  computed once per block, the rest is about a dozen vector operations per value.
   """
   safe_K = jnp.where(scale_K > 0, scale_K, 1.0)  # a zero block: x = 0, q = 0
-  s = safe_K[:, None]
-  s_hi = lax.bitcast_convert_type(lax.bitcast_convert_type(s, jnp.int32) & _HIGH_12_BITS,
-                                  jnp.float32)
-  q0 = jnp.rint(x_KxB / s)
-  two_r = 2.0 * ((x_KxB - q0 * s_hi) - q0 * (s - s_hi))
-  odd = (q0.astype(jnp.int32) & 1) == 1
-  up = (two_r > s) | ((two_r == s) & odd)
-  down = (-two_r > s) | ((-two_r == s) & odd)
-  q = q0 + up.astype(jnp.float32) - down.astype(jnp.float32)
+  high_K = lax.bitcast_convert_type(
+      lax.bitcast_convert_type(safe_K, jnp.int32) & _HIGH_12_BITS, jnp.float32)
+  s, s_hi, s_lo = safe_K[:, None], high_K[:, None], (safe_K - high_K)[:, None]
+  q0 = jnp.rint(x_KxB * (1.0 / safe_K)[:, None])
+  two_r = 2.0 * ((x_KxB - q0 * s_hi) - q0 * s_lo)
+  half = 0.5 * q0
+  odd = jnp.rint(half) != half
+  off = jnp.abs(two_r)
+  q = jnp.where((off > s) | ((off == s) & odd), q0 + jnp.where(two_r > 0, 1.0, -1.0), q0)
   return jnp.clip(q, -qmax, qmax).astype(jnp.int8)
 
 

@@ -267,6 +267,21 @@ def _sum_in_order(c_M, x_M):
   return total
 
 
+def rda_direction(x_M, w_M, norms_M, scale_M=None) -> tuple[jax.Array, jax.Array]:
+  """RDA's two parts before the last normalisation: (Σ_m (w_m / ‖Δ_m‖) Δ_m, the radius
+  Σ_m w_m s_m ‖Δ_m‖ / Σ_m w_m). `rda_from_norms` finishes them."""
+  w_M = jnp.asarray(w_M, jnp.float32)
+  norms_M = jnp.asarray(norms_M, jnp.float32)
+  lengths_M = norms_M if scale_M is None else norms_M * jnp.asarray(scale_M, jnp.float32)
+  radius = _safe_div(jnp.sum(w_M * lengths_M), jnp.sum(w_M))
+  return _sum_in_order(_safe_div(w_M, norms_M), x_M), radius
+
+
+def rda_finish(direction, radius) -> jax.Array:
+  """radius · φ(direction)."""
+  return direction * _safe_div(radius, _sqrt0(sum_of_squares(direction)))
+
+
 def rda_from_norms(x_M, w_M, norms_M, scale_M=None) -> jax.Array:
   """RDA of one tensor (`rda`) from the learners' outer gradients ``x_M`` (a sequence of arrays)
   and their norms ‖Δ_m‖, with each Δ_m optionally scaled by ``scale_M`` (`staleness_scale`):
@@ -276,12 +291,7 @@ def rda_from_norms(x_M, w_M, norms_M, scale_M=None) -> jax.Array:
   A scale shortens the learner's length and leaves its direction alone, as scaling Δ_m before
   `rda` does. A learner with ‖Δ_m‖ = 0 or w_m = 0 adds nothing.
   """
-  w_M = jnp.asarray(w_M, jnp.float32)
-  norms_M = jnp.asarray(norms_M, jnp.float32)
-  lengths_M = norms_M if scale_M is None else norms_M * jnp.asarray(scale_M, jnp.float32)
-  radius = _safe_div(jnp.sum(w_M * lengths_M), jnp.sum(w_M))
-  direction = _sum_in_order(_safe_div(w_M, norms_M), x_M)
-  return direction * _safe_div(radius, _sqrt0(sum_of_squares(direction)))
+  return rda_finish(*rda_direction(x_M, w_M, norms_M, scale_M))
 
 
 def average_from_parts(x_M, w_M, scale_M=None) -> jax.Array:

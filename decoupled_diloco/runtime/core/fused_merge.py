@@ -92,8 +92,8 @@ def _decoded_sumsq_fn():
   """Per block, Σ (q s)² = s² Σ q² of an int wire (exact integer sums of the codes)."""
 
   def decoded_sumsq(q_KxB, scale_K):
-    q_sq = jnp.sum(jnp.square(q_KxB.astype(jnp.int32)), axis=1).astype(jnp.float32)
-    return jnp.square(scale_K) * q_sq
+    # Exact in float32: a block's sum of squares of codes is at most 64 * 127^2 < 2^24.
+    return jnp.square(scale_K) * xla_codec.block_sums(jnp.square(q_KxB.astype(jnp.float32)))
 
   return decoded_sumsq
 
@@ -112,28 +112,55 @@ def _bf16_sums(x_KxB):
   return sums[0], sums[1], jnp.sum(sums[2])
 
 
+def _layout(fmt: str, shape, block_size: int):
+  """The shape the merge step computes a tensor in: its int wires' blocks where they cover it
+  exactly (Theta and the momentum are viewed alike, at no cost), else its own. One shape for
+  every operand spares XLA an index computation per value."""
+  n = math.prod(shape)
+  if fmt in xla_codec.QMAX and n % block_size == 0:
+    return (n // block_size, block_size)
+  return tuple(shape)
+
+
 def _decode(wire, fmt: str, shape):
+  """A wire's float32 values in `shape` (`_layout`'s or the tensor's own)."""
   if fmt in xla_codec.QMAX:
     q_KxB, scale_K = wire
-    n = math.prod(shape)
-    return xla_codec.decode_blocks(q_KxB, scale_K).reshape(-1)[:n].reshape(shape)
+    decoded = xla_codec.decode_blocks(q_KxB, scale_K)
+    if decoded.shape == tuple(shape):
+      return decoded
+    return decoded.reshape(-1)[:math.prod(shape)].reshape(shape)
   return wire[0].astype(jnp.float32).reshape(shape)
 
 
-def _step_fn(tx: optax.GradientTransformation, rule: str, weighting: str, fmt: str, shape,
-             average: bool, scaled: bool):
-  """Weights, merge and outer step of one tensor (module docstring, step 2)."""
+def _combine_fn(rule: str, weighting: str, fmt: str, layout, average: bool, scaled: bool):
+  """The weights and the merged direction of one tensor (module docstring, step 2): RDA's
+  Σ (w / ‖Δ‖) Δ and its radius, or the weighted average itself (radius None)."""
 
-  def step(theta, opt_state, wires, tokens_M, steps_M, norms_M, scale_M):
+  def combine(wires, tokens_M, steps_M, norms_M, scale_M):
     w_M = merge_lib.learner_weights(tokens_M, steps_M, weighting)
-    x_M = [_decode(wire, fmt, shape) for wire in wires]
+    x_M = [_decode(wire, fmt, layout) for wire in wires]
     scale_M = scale_M if scaled else None
     if average or rule == "average":
-      delta = merge_lib.average_from_parts(x_M, w_M, scale_M)
-    else:
-      delta = merge_lib.rda_from_norms(x_M, w_M, norms_M, scale_M)
-    theta, opt_state = outer.outer_step(tx, theta, opt_state, delta)
-    return theta, opt_state, w_M
+      return merge_lib.average_from_parts(x_M, w_M, scale_M), jnp.float32(0), w_M
+    direction, radius = merge_lib.rda_direction(x_M, w_M, norms_M, scale_M)
+    return direction, radius, w_M
+
+  return combine
+
+
+def _outer_fn(tx: optax.GradientTransformation, rda: bool):
+  """RDA's last normalisation and the optax outer step, in the direction's layout. A program of
+  its own: fused with `_combine_fn`, XLA would decode every learner twice (for the norm of the
+  direction, then for the step)."""
+
+  def step(theta, opt_state, direction, radius):
+    as_layout = lambda a: a.reshape(direction.shape) if a.shape == theta.shape else a
+    delta = merge_lib.rda_finish(direction, radius) if rda else direction
+    new_theta, new_state = outer.outer_step(tx, theta.reshape(direction.shape),
+                                            jax.tree.map(as_layout, opt_state), delta)
+    back = lambda a: a.reshape(theta.shape) if a.shape == direction.shape else a
+    return new_theta.reshape(theta.shape), jax.tree.map(back, new_state)
 
   return step
 
@@ -223,17 +250,22 @@ class FusedMerge:
       self._zero_wires[key] = tuple(jax.device_put(z, self._sharding) for z in zeros)
     return self._zero_wires[key]
 
-  def _step_program(self, theta, opt_state, fmt: str, average: bool):
+  def _step_programs(self, theta, opt_state, fmt: str, average: bool):
+    """(combine, outer) of one tensor (`_combine_fn`, `_outer_fn`)."""
     shape = theta.shape
-    key = ("step", shape, fmt, average)
-    if key not in self._programs:
-      wires = (self._zero_wire(shape, fmt),) * self._num_slots
-      counters = np.zeros(self._num_slots, np.float32)
-      build = lambda: _step_fn(self._tx, self._rule, self._weighting, fmt, shape, average,
-                               self._scaled)
-      return self._compiled(key, build, theta, opt_state, wires, counters, counters, counters,
-                            counters)
-    return self._programs[key]
+    layout = _layout(fmt, shape, self._block_size)
+    rda = not (average or self._rule == "average")
+    wires = (self._zero_wire(shape, fmt),) * self._num_slots
+    counters = jax.ShapeDtypeStruct((self._num_slots,), np.float32)
+    combine = self._compiled(
+        ("combine", shape, fmt, rda),
+        lambda: _combine_fn(self._rule, self._weighting, fmt, layout, not rda, self._scaled),
+        wires, counters, counters, counters, counters)
+    direction = jax.ShapeDtypeStruct(layout, np.float32)
+    outer_step = self._compiled(("outer", shape, layout, rda), lambda: _outer_fn(self._tx, rda),
+                                theta, opt_state, direction,
+                                jax.ShapeDtypeStruct((), np.float32))
+    return combine, outer_step
 
   def _broadcast_programs(self, shape):
     """(encode, finish): the delta's wire (a `prepare` program), then its payload and R."""
@@ -254,8 +286,8 @@ class FusedMerge:
         self._prepare_program(value.shape, self._fmt)
       if self._fmt in xla_codec.QMAX:
         self._decoded_sumsq_program(value.shape)
-      self._step_program(value, opt_states[name], self._wire_format(self._fmt),
-                         name in embedding_names)
+      self._step_programs(value, opt_states[name], self._wire_format(self._fmt),
+                          name in embedding_names)
       if self._delta_fmt is not None:
         self._broadcast_programs(value.shape)
 
@@ -319,11 +351,11 @@ class FusedMerge:
         wires.append(offer.wires[name] if offer.formats[name] == fmt
                      else self._as_fp32(offer, name, theta.shape))
         norms[slot] = offer.norms[name]
-      program = self._step_program(theta, opt_p[name], fmt, name in embedding_names)
+      combine, outer_step = self._step_programs(theta, opt_p[name], fmt,
+                                                name in embedding_names)
       scales = scale_M if scale_M is not None else np.ones(self._num_slots, np.float32)
-      value, new_opt[name], weights = program(theta, opt_p[name], tuple(wires), tokens_M,
-                                              steps_M, norms, scales)
-      new_theta[name] = value
+      direction, radius, weights = combine(tuple(wires), tokens_M, steps_M, norms, scales)
+      new_theta[name], new_opt[name] = outer_step(theta, opt_p[name], direction, radius)
     new_theta = {n: np.asarray(v) for n, v in new_theta.items()}  # waits for the programs
     return new_theta, new_opt, np.asarray(weights)
 
