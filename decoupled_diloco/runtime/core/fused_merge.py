@@ -1,18 +1,19 @@
 """The syncer's merge of one fragment as a few jitted programs per tensor shape, no host round trip.
 
-Issue 41 measured today's merge at 3-15x a plain numpy pass over the same buffers: numpy encoded
-and decoded every outer gradient (a dozen passes, several in float64), the screen took a float64
-norm in another pass, and the merge program read a stacked copy. Here, per tensor of fragment p:
+Issue 41 measured the merge before this one (`GlobalModel(fused=False)`, still the reference) at
+3-15x a plain numpy pass over the same buffers: numpy encoded and decoded every outer gradient (a
+dozen passes, several in float64), the screen took a float64 norm in another pass, and the merge
+program read a stacked copy. Here, per tensor of fragment p:
 
 1. `prepare` (per offer, screen and decode): Delta_m = anchor - theta_m, its wire round trip
    (`algorithm/compression_xla.py`, the numpy encoder's values bit for bit) and the sums of squares
    of the raw Delta_m (the robust screen's norm) and of the decoded one (RDA's norm), in two passes
    over the offer: one for the block scales and sums, one for the values. What it keeps is the wire
    itself (int8 codes and scales, bf16, or fp32), not a float32 copy.
-2. `step` (merge and outer step, once the screen has judged every offer): the weights, RDA or the
-   weighted average from the decoded wires and their norms (`merge.rda_from_norms`), and the optax
-   outer step, in one program; absent learners' slots hold zeros of weight 0, so one program per
-   shape serves any set of learners.
+2. `step` (merge and outer step, once the screen has judged every offer): the weights and RDA's
+   direction or the weighted average from the decoded wires and their norms (`merge.rda_direction`,
+   `average_from_parts`), then RDA's normalisation and the optax outer step, two programs; absent
+   learners' slots hold zeros of weight 0, so one pair per shape serves any set of learners.
 3. `broadcast` (delta broadcasts only): encode(Theta_p_new - R_p) and R_p + its decoded value.
 
 Programs are compiled per (tensor shape, format) on the syncer's device, ahead of time by
@@ -54,9 +55,9 @@ _ZERO = np.int32(0)  # `compression_xla.rounded_apart`'s argument
 class PreparedOffer:
   """One offer's outer gradients through the wire, on the syncer's device, with their norms."""
 
-  wires: dict[str, tuple[Any, ...]]  # per tensor, what `step` decodes (`_Programs.wire_format`)
+  wires: dict[str, tuple[Any, ...]]  # per tensor, what `step` decodes (`_decode`)
   formats: dict[str, str]  # per tensor, the wire's format (fp32 where numpy encoded it)
-  raw_sumsq: float  # Σ Delta_m² over the fragment (float64 over float32 blocks): the screen's
+  raw_sumsq: float  # Σ Delta_m² over the fragment, float32 per block, float64 over the blocks
   norms: dict[str, float]  # per tensor ‖decode(encode(Delta_m))‖: RDA's lengths
   seconds: float  # wall seconds of this offer's part of `prepare`
 
@@ -135,7 +136,7 @@ def _decode(wire, fmt: str, shape):
 
 def _combine_fn(rule: str, weighting: str, fmt: str, layout, average: bool, scaled: bool):
   """The weights and the merged direction of one tensor (module docstring, step 2): RDA's
-  Σ (w / ‖Δ‖) Δ and its radius, or the weighted average itself (radius None)."""
+  Σ (w / ‖Δ‖) Δ and its radius, or the weighted average itself (radius 0, unused)."""
 
   def combine(wires, tokens_M, steps_M, norms_M, scale_M):
     w_M = merge_lib.learner_weights(tokens_M, steps_M, weighting)

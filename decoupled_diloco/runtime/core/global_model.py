@@ -37,8 +37,10 @@ Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parame
 optimizer slot (1 for SGD with momentum, 2 for Adam or Delayed Nesterov, 0 for plain SGD), plus the
 optimizer's scalar leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with
 anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
-Nothing grows with the number of steps. A merge in progress adds one tensor's stacked outer
-gradients (learners x tensor size, fp32); screening adds one tensor's outer gradient at a time.
+Nothing grows with the number of steps. A fused merge in progress adds every screened offer's wire
+(int codes 1 byte per parameter plus a scale per block, bf16 2, fp32 4) until its merge is done,
+and the next Theta_p and momentum; the reference merge adds one tensor's stacked outer gradients
+(learners x tensor size, fp32), and its screen one tensor's outer gradient at a time.
 """
 
 from __future__ import annotations
