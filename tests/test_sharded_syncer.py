@@ -118,7 +118,8 @@ def test_each_shard_merges_the_fragments_it_owns_and_the_shards_read_as_one_sync
   running(syncer)
   for step in range(1, 5):  # each of the 4 fragments falls due once (P = H = 4)
     _step(syncer, links, step)
-  assert wait_until(lambda: len(syncer.tape) == 4, timeout_s=60)
+  # (A merge is on the tape before its broadcasts leave: wait for those.)
+  assert wait_until(lambda: all(len(link.received) == 4 for link in links), timeout_s=60)
   for shard, owned in ((0, {0, 3}), (1, {1, 2})):
     part = syncer.shards[shard]
     assert {r["fragment"] for r in part.tape} == owned
@@ -146,6 +147,8 @@ def test_a_held_cut_opens_no_round_until_its_own_token_releases_it(running):
   _step(syncer, links, 4)  # every fragment falls due: shard 0's two are owed while it is held
   assert wait_until(lambda: shard.stats.merges_due == 2)
   shard.release_cut("an earlier request's")  # a late release of another cut ends nothing
+  shard.request_state().result(timeout=60)  # (read on its thread: after the release above)
+  assert sorted(shard._owed) == [0, 3] and not shard._rounds  # pylint: disable=protected-access
   assert wait_until(lambda: syncer.shards[1].stats.merges == 2)  # shard 1 merges meanwhile
   assert shard.stats.merges == 0
   shard.release_cut("mine")
@@ -247,6 +250,7 @@ def test_two_shards_train_a_run_and_a_lost_shard_is_restored_while_the_other_mer
   first_shard_0 = keepers[0].syncer
   summary = train.execute(run, progress=False)
 
+  token_account_closes(summary)  # every shard's merges are on the one syncer's tape
   assert merges["at_restart"] >= merges["at_crash"] + 2  # shard 0 merged while 1 was down
   assert keepers[0].syncer is first_shard_0 and not keepers[0].records  # never lost
   [fault] = summary["faults"]
@@ -265,7 +269,6 @@ def test_two_shards_train_a_run_and_a_lost_shard_is_restored_while_the_other_mer
   assert all(s > 0 for s in summary["syncer_busy_seconds_per_shard"])
   assert summary["learner_steps"] == [48] * 4 and summary["double_merged_offers"] == 0
   assert summary["unmerged_steps_at_end"] == [0] * 4
-  token_account_closes(summary)
   # The job's final checkpoint holds both shards' Theta: the global model, read back whole.
   saved = checkpoints_lib.read_model(str(tmp_path / "checkpoints"))
   final = run_lib.global_params(run)

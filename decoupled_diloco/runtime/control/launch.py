@@ -239,7 +239,8 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
   repaired_at = transport.repaired_at(
       injector.repaired_at if injector is not None else lambda _: 0.0, learners)
   if syncer is not None and not sync.lock_step:
-    keeping = dict(learners=learners, checkpoints=saver if settings.checkpoint.every_steps else None,
+    keeping = dict(learners=learners,
+                   checkpoints=saver if settings.checkpoint.every_steps else None,
                    every_s=settings.checkpoint.syncer_every_s, metrics=metrics,
                    faults=injector.syncer_faults if injector is not None else ())
     if num_shards > 1:  # a keeper per shard, each restoring its shard alone

@@ -1,7 +1,7 @@
 """A sharded syncer (config.syncer.num_shards > 1) built, fed and kept going shard by shard.
 
-The controller sees one syncer (`core/sharded_syncer.ShardedSyncer`) and one keeper (`ShardedKeeper`),
-read as it reads the unsharded ones. Under them each shard has what one syncer has:
+The controller sees one syncer (`core/sharded_syncer.ShardedSyncer`) and one keeper
+(`ShardedKeeper`), read as it reads the unsharded ones. Under them each shard has what one syncer has:
 
 - its own port (`syncer_keeper.SyncerPort`): the learners' posts reach every shard through
   `ShardedPort` (an offer only its fragment's owner), and a post to a shard that is down is lost
