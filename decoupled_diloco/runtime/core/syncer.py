@@ -278,7 +278,8 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
 
     `hold` (a shard of a sharded syncer; a token naming the request): after its cut the syncer
     opens no round until `release_cut(hold)` (or `timeout_s` more), so that its fragments'
-    versions stay those of its cut while the other shards take theirs (`sharded_syncer.py`).
+    versions stay those of its cut while the other shards take theirs (`sharded_syncer.py`); a
+    release before the cut came withdraws the request.
     """
     future: concurrent.futures.Future = concurrent.futures.Future()
     self._inbox.put(syncer_state.CutRequest(future, timeout_s, include_tape, hold=hold))
@@ -359,7 +360,9 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       message.future.set_result(self.state())
       return
     if isinstance(message, _Release):
-      if self._cut is not None and self._cut.held and self._cut.hold == message.hold:
+      if self._cut is not None and self._cut.hold and self._cut.hold == message.hold:
+        if not self._cut.future.done():  # released before its cut came: not wanted any more
+          self._cut.future.set_result(None)
         self._end_cut()
       return
     if message is _CATCH_UP:
