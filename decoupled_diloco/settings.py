@@ -60,7 +60,8 @@ BROADCAST_DELTA_FORMATS = ("none",) + tuple(f for f in compression.FORMATS if f 
 # before it existed ran as: a checkpoint or a tape without the field is read as having it.
 ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
                 "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0",
-                "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''"}
+                "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''",
+                "syncer.merge_delay_steps": "0"}
 
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
 _DERIVED = {"derived": True}
@@ -142,6 +143,9 @@ class TpuSlice:
 class SyncerSettings:
   num_devices: int  # CPU devices of the syncer mesh; 0 in dp mode (no syncer)
   num_workers: int  # threads that run merges of different fragments at once
+  # Each merge holds its worker for this many steps of the fastest learner: a syncer slower than
+  # the learners, emulated (runtime/core/merge_hold.py). 0 = none; 0 in dp mode (no syncer).
+  merge_delay_steps: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,6 +594,18 @@ def _late_learners(config, mode: str, num_learners: int,
   return tuple(int(m) for m in late)
 
 
+def _merge_delay_steps(config, mode: str) -> int:
+  """config.syncer.merge_delay_steps: >= 0, and 0 in the lock-step modes."""
+  steps = _check_int(config, "syncer.merge_delay_steps", 0)
+  if steps and mode in ("diloco", "streaming"):
+    # Lock-step learners wait at the barrier for the merge, so the clock a held merge waits for
+    # would never move.
+    _fail("syncer.merge_delay_steps", steps,
+          f"must be 0 with config.mode={mode!r}: its learners wait for every merge, so a merge "
+          "held for their next steps would never be released (decoupled mode only)")
+  return steps
+
+
 def _nesterov_delay(config) -> int:
   """config.outer.nesterov_delay: 0 (off) or N >= 2, for the sgd_nesterov outer optimizer only."""
   delay = _check_int(config, "outer.nesterov_delay", 0)
@@ -926,7 +942,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
-                          num_workers=_check_int(config, "syncer.num_workers", 1))
+                          num_workers=_check_int(config, "syncer.num_workers", 1),
+                          merge_delay_steps=_merge_delay_steps(config, mode))
 
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners, num_steps)
@@ -1056,7 +1073,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     # A synchronous job steps at the pace of its slowest host: the slowest learner's delay.
     delays = (max(delays),)
     num_learners, sync = 1, None
-    syncer = dataclasses.replace(syncer, num_devices=0)
+    syncer = dataclasses.replace(syncer, num_devices=0, merge_delay_steps=0)
     devices = dataclasses.replace(devices, learners_sharing_devices=1,
                                   tpu_topologies=())
 
