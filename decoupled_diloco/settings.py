@@ -61,6 +61,7 @@ BROADCAST_DELTA_FORMATS = ("none",) + tuple(f for f in compression.FORMATS if f 
 ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
                 "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0",
                 "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''",
+                "syncer.merge_delay_steps": "0",
                 "syncer.num_shards": "1"}
 
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
@@ -143,6 +144,9 @@ class TpuSlice:
 class SyncerSettings:
   num_devices: int  # CPU devices of the syncer mesh (of each shard's); 0 in dp mode (no syncer)
   num_workers: int  # threads that run merges of different fragments at once (in each shard)
+  # Each merge holds its worker for this many steps of the fastest learner: a syncer slower than
+  # the learners, emulated (runtime/core/merge_hold.py). 0 = none; 0 in dp mode (no syncer).
+  merge_delay_steps: int
   # Shards of the syncer, each owning some fragments (algorithm/shards.py); 1 = not sharded, and
   # in dp mode and a replay (which merges on one global model in the recorded order).
   num_shards: int = 1
@@ -606,6 +610,18 @@ def _late_learners(config, mode: str, num_learners: int,
   return tuple(int(m) for m in late)
 
 
+def _merge_delay_steps(config, mode: str) -> int:
+  """config.syncer.merge_delay_steps: >= 0, and 0 in the lock-step modes."""
+  steps = _check_int(config, "syncer.merge_delay_steps", 0)
+  if steps and mode in ("diloco", "streaming"):
+    # Lock-step learners wait at the barrier for the merge, so the clock a held merge waits for
+    # would never move.
+    _fail("syncer.merge_delay_steps", steps,
+          f"must be 0 with config.mode={mode!r}: its learners wait for every merge, so a merge "
+          "held for their next steps would never be released (decoupled mode only)")
+  return steps
+
+
 def _nesterov_delay(config) -> int:
   """config.outer.nesterov_delay: 0 (off) or N >= 2, for the sgd_nesterov outer optimizer only."""
   delay = _check_int(config, "outer.nesterov_delay", 0)
@@ -943,6 +959,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
                           num_workers=_check_int(config, "syncer.num_workers", 1),
+                          merge_delay_steps=_merge_delay_steps(config, mode),
                           num_shards=_check_int(config, "syncer.num_shards", 1))
 
   sync = _resolve_sync(config, mode, num_learners)
@@ -1080,7 +1097,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     # A synchronous job steps at the pace of its slowest host: the slowest learner's delay.
     delays = (max(delays),)
     num_learners, sync = 1, None
-    syncer = dataclasses.replace(syncer, num_devices=0)
+    syncer = dataclasses.replace(syncer, num_devices=0, merge_delay_steps=0)
     devices = dataclasses.replace(devices, learners_sharing_devices=1,
                                   tpu_topologies=())
 

@@ -70,6 +70,7 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("devices.platform", "ipu", "config.devices.platform='ipu'"),
     ("stall_timeout_s", 0.0, "config.stall_timeout_s=0.0"),
     ("syncer.num_workers", 0, "config.syncer.num_workers=0"),
+    ("syncer.merge_delay_steps", -1, "config.syncer.merge_delay_steps=-1 is invalid: must be >= 0"),
     ("syncer.num_shards", 0, "config.syncer.num_shards=0 is invalid: must be >= 1"),
     ("syncer.num_shards", 25, "config.syncer.num_shards=25 is invalid: must be between 1 and "
      "config.sync.num_fragments=24: each shard owns at least one fragment"),
@@ -116,6 +117,16 @@ def test_nesterov_delay_needs_the_nesterov_outer_optimizer():
   run = settings.validate(_config(**{"outer.nesterov_delay": 4,
                                      "outer.staleness_scaling": "inverse_sqrt"}))
   assert (run.outer.nesterov_delay, run.outer.staleness_scaling) == (4, "inverse_sqrt")
+
+
+def test_merge_delay_is_for_the_decoupled_syncer_only():
+  """Lock-step learners wait for each merge: a merge held for their next steps would never end."""
+  assert settings.validate(_config(**{"syncer.merge_delay_steps": 3})).syncer.merge_delay_steps == 3
+  with pytest.raises(ValueError, match=r"config\.syncer\.merge_delay_steps=3 is invalid: must be 0 "
+                                       r"with config\.mode='streaming'"):
+    settings.validate(_config(**{"syncer.merge_delay_steps": 3, "mode": "streaming"}))
+  dp = settings.validate(_config(**{"syncer.merge_delay_steps": 3, "mode": "dp"}))
+  assert dp.syncer.merge_delay_steps == 0  # no syncer
 
 
 def test_the_renamed_data_path_says_its_new_name_and_why():

@@ -127,7 +127,7 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
       staleness_scaling=settings.outer.staleness_scaling,
       merge=settings.merge, compression=settings.compression,
       num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
-      metrics=metrics, network=network,
+      merge_delay_steps=settings.syncer.merge_delay_steps, metrics=metrics, network=network,
       # The robust merge judges outer-gradient norms per unit of the learners' learning rate.
       inner_learning_rates=inner.learning_rates(settings.inner, settings.num_steps),
       learners_sharing_devices=settings.devices.learners_sharing_devices,

@@ -77,6 +77,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import network as network_lib
@@ -133,6 +134,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       learners_sharing_devices: int = 1,
       clock: Callable[[], float] = time.monotonic,
       staleness_scaling: str = "none",
+      merge_delay_steps: int = 0,
       owned: Sequence[int] | None = None,
       shard: int | None = None,
   ):
@@ -178,6 +180,8 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._lead: int | None = 0  # step of the fastest learner still training
     self._grace = grace_lib.GraceEstimator(sync.ema_decay)
     self._workers = concurrent.futures.ThreadPoolExecutor(num_workers, "syncer-merge")
+    # config.syncer.merge_delay_steps: each merge holds its worker for that many steps of the clock.
+    self._merge_hold = merge_hold.MergeHold(merge_delay_steps)
     self._cut: syncer_state.CutRequest | None = None
     # After a restart: per fragment, the version an offer's anchor must have reached (the learner
     # has applied every merge this syncer knows of, including those its predecessor made after
@@ -221,6 +225,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
   def stop(self) -> None:
     self._stop.set()
     self._inbox.put(None)
+    self._merge_hold.moved()  # a held merge ends: nothing will move the clock any more
 
   def join(self, timeout: float | None = None) -> None:
     self._thread.join(timeout)
@@ -326,6 +331,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     try:
       while not self._stop.is_set():
         self._receive(self._wait_timeout())
+        self._merge_hold.moved()  # the clock, the training learners or the flush may have moved
         self._check_heartbeats()
         self._poll_rounds()
         self._collect_landed_offers()

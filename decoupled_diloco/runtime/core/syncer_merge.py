@@ -27,6 +27,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import syncer_rounds
@@ -51,6 +52,10 @@ class SyncerMerges:
   _rounds: dict[int, syncer_rounds.Round]
   _merging: set[int]
   _clock: int
+  _training: set[int]
+  _flush_state: str
+  _stop: threading.Event
+  _merge_hold: merge_hold.MergeHold
   _grace: grace_lib.GraceEstimator
   stats: syncer_rounds.SyncerStats
   tape: list[dict[str, Any]]
@@ -75,10 +80,19 @@ class SyncerMerges:
 
   def _merge_on_worker(self, p: int, offers: tuple[messages.Offer, ...]):
     """(when a worker took the merge up and when it was done, on the syncer's clock, and
-    `_compute_merge`'s result)."""
+    `_compute_merge`'s result).
+
+    With config.syncer.merge_delay_steps the worker first holds the merge for that many learner
+    steps (`merge_hold.py`): the time a slower syncer would take, counted as its queue time."""
+    self._merge_hold.wait(max(o.step for o in offers), lambda: self._clock,
+                          self._merges_released)
     started = self._now()
     result = self._compute_merge(p, offers)
     return started, self._now(), result
+
+  def _merges_released(self) -> bool:
+    """Read on a worker: the clock will not move again, so a held merge may go on."""
+    return self._stop.is_set() or self._flush_state != "none" or not self._training
 
   def _compute_merge(self, p: int, offers: tuple[messages.Offer, ...]
                      ) -> tuple[global_model_lib.Screening, global_model_lib.MergeResult | None]:

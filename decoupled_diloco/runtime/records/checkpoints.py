@@ -46,7 +46,7 @@ from decoupled_diloco.lm import model as model_lib
 # checkpoint's (`fingerprint`).
 _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_every",
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
-               "syncer.num_workers", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
+               "syncer.num_workers", "syncer.merge_delay_steps", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
                "profile_steps", "compilation_cache_dir", "tape", "replay")
 # Fields a resumed run may change by an elastic restore (runtime/records/elastic_restore.py): how many
 # learners there are and the shape of each one's mesh; with another number of learners, the
