@@ -1,6 +1,6 @@
 r"""The paper's headline on sockets: data parallelism against Decoupled DiLoCo over capped links.
 
-  .venv/bin/python scripts/bench_sites.py                                  # 3 rates, ~15 min here
+  .venv/bin/python scripts/bench_sites.py                                  # 3 rates, ~17 min here
   .venv/bin/python scripts/bench_sites.py --rates_mbit=100 --num_steps=48 --out=/tmp/smoke
 
 Three emulated sites on this machine (scripts/emulated_sites.py; needs root): two learner sites and
