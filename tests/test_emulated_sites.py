@@ -116,10 +116,11 @@ def test_the_counters_see_every_byte_between_two_sites_and_whose_it_is(sites):
   sent = sites.peer_counters()[0][1] - peers[0][1]
   got = sites.peer_counters()[1][0] - peers[1][0]
   # Other traffic of site 0 (its Ray node's heartbeats) goes to the head, in another class.
-  # The connection's SYN carries 8 bytes of options more than a data segment's timestamps.
+  # Off by a few bytes at most: the SYN carries 8 bytes of options more than a data segment's
+  # timestamps, an ARP frame is 24 bytes short of a TCP header.
   assert sent.sent_payload == got.received_payload
-  assert 1_000_000 <= sent.sent_payload <= 1_000_000 + 16
-  assert (sites.link_counters()[0] - links[0]).sent_payload >= 1_000_000
+  assert abs(sent.sent_payload - 1_000_000) <= 100
+  assert (sites.link_counters()[0] - links[0]).sent_payload >= 1_000_000 - 100
 
 
 def _records(workdir, kind):
@@ -130,6 +131,12 @@ def _records(workdir, kind):
 def _absent(workdir, learner):
   """The syncer's records (metrics.jsonl, written as they come) of `learner` found absent."""
   return [r for r in _records(workdir, "absent") if r["learner"] == learner]
+
+
+def _site_of(sites, node_id: str) -> int:
+  """The index of the site whose Ray node is `node_id`."""
+  address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}[node_id]
+  return next(s.index for s in sites.sites if s.address == address)
 
 
 def test_a_partitioned_learner_trains_on_goes_absent_and_is_merged_again(sites, tmp_path):
@@ -144,16 +151,18 @@ def test_a_partitioned_learner_trains_on_goes_absent_and_is_merged_again(sites, 
       ray__address=sites.head_address, ray__learner_resource=bench_sites.LEARNER_SITE,
       ray__syncer_resource=bench_sites.SYNCER_SITE, sync__heartbeat_timeout_s=2.0))
   assert run.learners[1].nodes[0] != run.learners[0].nodes[0]
+  site = _site_of(sites, run.learners[1].nodes[0])  # Ray places learners on either site
   cut = {}
 
   def partition():
-    sites.cut(1)
+    sites.cut(site)
     cut["at"] = time.monotonic()
     try:
-      cut["absent_seen"] = wait_until(lambda: _absent(tmp_path, 1), timeout_s=300, poll_s=0.1)
+      # Bounded well inside the 60 s after which a node cut off from the head's GCS ends itself.
+      cut["absent_seen"] = wait_until(lambda: _absent(tmp_path, 1), timeout_s=30, poll_s=0.1)
     finally:
       cut["restored"] = time.monotonic()
-      sites.restore(1)
+      sites.restore(site)
 
   cutter = act_when(lambda: run.learners[1].step >= 4, partition)
   summary = train.execute(run, progress=False)
