@@ -422,6 +422,9 @@ class LearnerProcess:
     """What happened since the last poll: posts, metrics records, and the learner's status."""
     posts, records = self._outbox.take(timeout_s)
     learner = self._learner
+    # Whether it lives is read before its status: a thread that applies the flush's broadcast and
+    # ends between the two would otherwise leave the watcher its counters from before the apply
+    # (summary.json's unmerged_at_end counted merged tokens again).
+    alive = learner.alive or not self._started
     return {"status": learner.status(), "posts": posts, "records": records,
-            "thread_alive": learner.alive or not self._started,
-            "rejected_calls": self.rejected_calls}
+            "thread_alive": alive, "rejected_calls": self.rejected_calls}
