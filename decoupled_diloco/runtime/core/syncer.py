@@ -174,7 +174,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._merged_through: dict[tuple[int, int], int] = {}
     self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
     self._rounds: dict[int, syncer_rounds.Round] = {}
-    self._given_up = []
+    self._late_answers = []
     self._merging: set[int] = set()
     self._owed: set[int] = set()  # fell due while in flight: opened as soon as it is back
     self._clock = 0

@@ -31,7 +31,7 @@ from decoupled_diloco.runtime.core import global_model as global_model_lib
 from decoupled_diloco.runtime.core import messages
 
 # How long an answer given up (its round closed first) is waited for, for its bytes only
-_GIVEN_UP_WAIT_S = 30.0
+_LATE_ANSWER_WAIT_S = 30.0
 
 
 class LearnerLink(Protocol):
@@ -144,14 +144,14 @@ class SyncerRounds:
   _flush_state: str
   _flush_done: threading.Event
   # Answers from other processes still on their way when their round closed: (answer, fragment,
-  # when), read for bytes_offered once they land (`_count_given_up`)
-  _given_up: list[tuple[messages.PendingAnswer, int, float]]
+  # when), read for bytes_offered once they land (`_count_late_answers`)
+  _late_answers: list[tuple[messages.PendingAnswer, int, float]]
   stats: SyncerStats
 
   def _wait_timeout(self) -> float:
     if any(r.copying for r in self._rounds.values()):
       return 0.002  # poll the copies in flight; the syncer never blocks on a learner's device
-    if self._given_up:
+    if self._late_answers:
       return 0.01  # late answers, read for their bytes only
     if any(r.poll for r in self._rounds.values()):
       return 0.005  # a learner may publish without a step (it applied a merge after training)
@@ -256,8 +256,8 @@ class SyncerRounds:
 
   def _collect_landed_offers(self) -> None:
     """Offers enter their round once their copy to host RAM has landed."""
-    if self._given_up:
-      self._count_given_up()
+    if self._late_answers:
+      self._count_late_answers()
     now = self._now()
     for round_ in self._rounds.values():
       for m, (offer, _) in list(round_.copying.items()):
@@ -311,22 +311,22 @@ class SyncerRounds:
 
   def _count_in_flight(self, copying, p: int) -> None:
     """Answers still on their way from another process, given up: their bytes travel all the
-    same. Each is read once it lands (`_count_given_up`): an offer counts, a STALE or NOTHING
+    same. Each is read once it lands (`_count_late_answers`): an offer counts, a STALE or NOTHING
     does not, and one that never lands (its learner cut off, or gone) never travelled."""
     now = self._now()
-    self._given_up.extend((answer, p, now) for answer, _ in copying
+    self._late_answers.extend((answer, p, now) for answer, _ in copying
                           if isinstance(answer, messages.PendingAnswer))
 
-  def _count_given_up(self) -> None:
+  def _count_late_answers(self) -> None:
     """bytes_offered of the given-up answers that have landed since (`_count_in_flight`)."""
     now, waiting = self._now(), []
-    for answer, p, since in self._given_up:
+    for answer, p, since in self._late_answers:
       if answer.in_host_memory:
         if isinstance(answer.result(), messages.Offer):
           self.stats.bytes_offered += self.model.offer_wire_bytes(p)
-      elif now - since < _GIVEN_UP_WAIT_S:
+      elif now - since < _LATE_ANSWER_WAIT_S:
         waiting.append((answer, p, since))
-    self._given_up = waiting
+    self._late_answers = waiting
 
   def _close(self, round_: Round, offers: list[messages.Offer]) -> None:
     p = round_.fragment
