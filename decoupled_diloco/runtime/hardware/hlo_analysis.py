@@ -8,6 +8,9 @@ From it:
 
 - matmul FLOPs: 2 x output elements x contracted size of every dot and convolution (a TPU
   matmul is a convolution in HLO); what lm/flops.py counts analytically, so the two compare.
+- kernels: the FLOPs and HBM bytes of each custom-call kernel kernels.py recognises (the splash
+  attention kernels), which XLA's count takes for nothing; the custom calls it cannot count are
+  listed, with their calls per program.
 - HBM bytes: operands and results of every instruction of a non-fused computation (a fusion's
   inside stays on chip), slices and in-place updates at their size, as HloCostAnalysis counts
   "bytes accessed" (within 6% of it on a loop-free chain of matmuls; on the unrolled train step
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from decoupled_diloco.runtime.hardware import hlo_text
+from decoupled_diloco.runtime.hardware import kernels as kernels_lib
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -53,12 +57,35 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
+class Kernel:
+  """Calls of one recognised kernel per call of the program (kernels.py)."""
+
+  name: str
+  count: int
+  flops: float  # per chip, all its calls
+  hbm_bytes: float  # likewise
+
+
+@dataclasses.dataclass(frozen=True)
 class HloStats:
-  matmul_flops: float  # per chip per call, loops counted by their trip counts
-  hbm_bytes: float  # per chip per call, likewise
+  matmul_flops: float  # dots and convolutions, per chip per call, loops by their trip counts
+  hbm_bytes: float  # per chip per call, likewise, recognised kernels' included
   collectives: tuple[Collective, ...]
   # While loops whose trip count was not found: counted once (their numbers are lower bounds).
   unknown_trip_counts: int
+  kernels: tuple[Kernel, ...] = ()
+  # Custom calls whose FLOPs are not known (kernels.label, calls per program): their bytes are
+  # their operands and results, their FLOPs missing from `flops`.
+  uncounted: tuple[tuple[str, int], ...] = ()
+
+  @property
+  def kernel_flops(self) -> float:
+    return sum(k.flops for k in self.kernels)
+
+  @property
+  def flops(self) -> float:
+    """Everything counted: the matmuls and the recognised kernels."""
+    return self.matmul_flops + self.kernel_flops
 
   @property
   def ici_bytes_per_chip(self) -> float:
@@ -312,6 +339,8 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
   fusions = {name: _fusion_bytes(computations, name) for name in fused}
   flops = hbm = 0.0
   found: dict[tuple[str, tuple[str, ...], int], list[float]] = {}
+  kernels: dict[str, list[float]] = {}
+  uncounted: dict[str, float] = {}
   for name, instructions in computations.items():
     runs = times.get(name, 0.0)
     if not runs:
@@ -319,6 +348,17 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
     shapes = {ins.name: ins.arrays for ins in instructions}
     for ins in instructions:
       flops += runs * _matmul_flops(ins, shapes)
+      kernel = kernels_lib.splash_cost(ins, shapes) if ins.opcode == "custom-call" else None
+      if kernel is not None:
+        entry_ = kernels.setdefault(kernel.name, [0.0, 0.0, 0.0])
+        entry_[0] += runs
+        entry_[1] += runs * kernel.flops
+        entry_[2] += runs * kernel.hbm_bytes
+        hbm += runs * kernel.hbm_bytes
+        continue
+      if ins.opcode == "custom-call" and kernels_lib.target(ins) not in kernels_lib.NO_FLOPS:
+        label = kernels_lib.label(ins)
+        uncounted[label] = uncounted.get(label, 0.0) + runs
       if name not in fused and ins.opcode not in _FREE:
         hbm += runs * _moved_bytes(ins, shapes, fusions)
       kind = _collective(ins)
@@ -332,4 +372,6 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
       entry_[2] += runs * _ici_bytes(kind, buffer, n)
   collectives = tuple(Collective(kind, axes, n, int(round(c)), b, ici)
                       for (kind, axes, n), (c, b, ici) in sorted(found.items()))
-  return HloStats(flops, hbm, collectives, unknown)
+  return HloStats(flops, hbm, collectives, unknown,
+                  tuple(Kernel(k, int(round(c)), f, b) for k, (c, f, b) in sorted(kernels.items())),
+                  tuple((k, int(round(c))) for k, c in sorted(uncounted.items())))

@@ -94,7 +94,7 @@ def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
   """Instructions of every computation, and the entry computation's name."""
   computations: dict[str, list[Instruction]] = {}
   entry, current = "", None
-  for line in text.splitlines():
+  for line in _instruction_lines(text):
     header = _HEADER.match(line)
     if header:
       current = header.group(2)
@@ -102,7 +102,7 @@ def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
       if header.group(1):
         entry = current
       continue
-    if line.startswith("}"):
+    if line.strip() == "}":
       current = None
       continue
     if current is not None:
@@ -110,6 +110,23 @@ def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
       if instruction is not None:
         computations[current].append(instruction)
   return computations, entry
+
+
+def _instruction_lines(text: str) -> list[str]:
+  """The text's lines, an instruction that spans several made one: a Pallas kernel's metadata
+  (`frontend_attributes={kernel_metadata={` and a JSON object on lines of its own) breaks its
+  custom call's line, and the rest of it (`}}, metadata=...`) must neither end the computation
+  nor be lost."""
+  lines: list[str] = []
+  for line in text.splitlines():
+    stripped = line.strip()
+    starts = (not stripped or stripped == "}" or _HEADER.match(line)
+              or stripped.startswith(("%", "ROOT ", "ENTRY ", "HloModule", "//")))
+    if lines and not starts and lines[-1].lstrip().startswith(("%", "ROOT ")):
+      lines[-1] += " " + stripped
+    else:
+      lines.append(line)
+  return lines
 
 
 def attribute(attributes: str, key: str) -> str | None:
