@@ -3,6 +3,7 @@
 chip is refused with the numbers, as a TPU run refuses it at start-up."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -91,8 +92,10 @@ def test_loop_bodies_are_counted_at_their_trip_count():
 
 
 def test_hbm_bytes_of_a_loop_free_program_are_close_to_xla_s_own_count():
-  """Without loops XLA's cost_analysis counts every instruction once too: the HLO walk's bytes
-  must land near its "bytes accessed" (measured 0.94 of it)."""
+  """Without loops XLA's cost_analysis counts every instruction once too: the HLO walk's bytes,
+  counted in every memory space, must land near its "bytes accessed" (measured 0.83 of it; XLA
+  also counts the copy-done of each of the three 1 MiB asynchronous copies, which this walk takes
+  for free). Only HBM's count: the compiler prefetched operands into VMEM (0.68 of XLA's)."""
   mesh = Mesh(np.array(tpu_aot.topology_devices("v5p:2x2x1")).reshape(2, 2), ("a", "b"))
   x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P("a", "b")))
 
@@ -102,9 +105,37 @@ def test_hbm_bytes_of_a_loop_free_program_are_close_to_xla_s_own_count():
     return x.sum()
 
   compiled = jax.jit(three_layers).lower(x, x).compile()
-  stats = hlo_analysis.analyse(compiled.as_text(), mesh.axis_names, (2, 2))
-  assert stats.hbm_bytes == pytest.approx(compiled.cost_analysis()["bytes accessed"], rel=0.1)
+  text = compiled.as_text()
+  everywhere = hlo_analysis.analyse(re.sub(r"S\(\d+\)", "", text), mesh.axis_names, (2, 2))
+  assert everywhere.hbm_bytes == pytest.approx(compiled.cost_analysis()["bytes accessed"],
+                                               rel=0.2)
+  stats = hlo_analysis.analyse(text, mesh.axis_names, (2, 2))
+  assert "S(1)" in text and stats.hbm_bytes < 0.9 * everywhere.hbm_bytes
   assert stats.matmul_flops == 3 * 2 * 1024**3 / 4
+
+
+# XLA:TPU's prefetches into VMEM (memory space 1): a copy of a 4 KiB weight, a 1 KiB slice of a
+# 4 KiB buffer, an eviction of 1 KiB back to HBM, and an add whose operand is in VMEM.
+_PREFETCHES = """
+ENTRY %main (w: f32[1024], big: f32[1024]) -> f32[256] {
+  %w = f32[1024]{0} parameter(0)
+  %big = f32[1024]{0} parameter(1)
+  %cs = (f32[1024]{0:S(1)}, f32[1024]{0}, u32[]{:S(2)}) copy-start(%w)
+  %cd = f32[1024]{0:S(1)} copy-done(%cs)
+  %ss = ((f32[1024]{0}), f32[256]{0:S(1)}, s32[]{:S(2)}) slice-start(%big), slice={[0:256]}
+  %sd = f32[256]{0:S(1)} slice-done(%ss)
+  %sum = f32[256]{0} add(%sd, %sd)
+  %back = (f32[256]{0}, f32[256]{0:S(1)}, u32[]{:S(2)}) copy-start(%sd)
+  ROOT %done = f32[256]{0} copy-done(%back)
+}
+"""
+
+
+def test_prefetches_into_vmem_move_only_what_they_copy_and_vmem_reads_are_free():
+  stats = hlo_analysis.analyse(_PREFETCHES, ("data",), (1,))
+  # The weight read (4 KiB), the slice read (1 KiB), the add's result written (1 KiB; its operand
+  # is in VMEM), the eviction written (1 KiB). Counted whole, it was 4 times that.
+  assert stats.hbm_bytes == 4096 + 1024 + 1024 + 1024
 
 
 # A counted loop as XLA:TPU writes its windowed einsums: the counter starts from a copied

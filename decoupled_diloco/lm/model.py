@@ -80,7 +80,7 @@ _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
 # sequence length to be a multiple of 64 (cuDNN 8.9.0-8.9.3 did). It has no CPU kernel, so the
 # runtime config must also ask for GPU devices. "splash" is the Pallas TPU flash attention kernel
 # (lm/splash.py), mapped over the learner's mesh; TPU chips only (Pallas interpret mode on CPU).
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
+_ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 
 # Which config field sets the size of a sharded logical axis, for error messages.
 _AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads",
@@ -146,10 +146,10 @@ class ModelConfig:
       )
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"config.model.scan_layers={self.scan_layers!r} must be True or False")
-    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+    if self.attention not in _ATTENTION_IMPLEMENTATIONS:
       raise ValueError(
           f"config.model.attention={self.attention!r} must be one of "
-          f"{list(ATTENTION_IMPLEMENTATIONS)}"
+          f"{list(_ATTENTION_IMPLEMENTATIONS)}"
       )
     for name in ("splash_block_q", "splash_block_kv"):
       value = getattr(self, name)

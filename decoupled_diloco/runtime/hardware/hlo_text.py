@@ -20,7 +20,10 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
           "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1,
           "f8e5m2fnuz": 1}
-_ARRAY = re.compile(r"\b(" + "|".join(sorted(_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+# dtype[dims]{layout}: the layout's S(n) is the array's memory space (0, unprinted: HBM; on TPU
+# 1 is VMEM, where the compiler keeps or prefetches buffers, 2 and above small scalar memories).
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_BYTES, key=len, reverse=True))
+                    + r")\[([\d,]*)\](?:\{([^}]*)\})?")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
 NAME = re.compile(r"%([\w.\-]+)")
 
@@ -31,10 +34,16 @@ class Array:
 
   dtype: str
   dims: tuple[int, ...]
+  memory_space: int = 0
 
   @property
   def nbytes(self) -> float:
     return _BYTES[self.dtype] * math.prod(self.dims)
+
+  @property
+  def hbm_nbytes(self) -> float:
+    """Its bytes if it lives in HBM (memory space 0), else none."""
+    return self.nbytes if self.memory_space == 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -84,10 +93,16 @@ def _parse_instruction(line: str) -> Instruction | None:
     return None
   operands, attributes = _balanced("(" + rest)
   return Instruction(name=name, opcode=opcode.strip(),
-                      arrays=[Array(d, tuple(int(x) for x in dims.split(",") if x))
-                              for d, dims in _ARRAY.findall(type_text)],
+                      arrays=[Array(d, tuple(int(x) for x in dims.split(",") if x),
+                                    _memory_space(layout))
+                              for d, dims, layout in _ARRAY.findall(type_text)],
                       operands=NAME.findall(operands), attributes=attributes,
                       arguments=operands.strip())
+
+
+def _memory_space(layout: str) -> int:
+  found = re.search(r"S\((\d+)\)", layout)
+  return int(found.group(1)) if found else 0
 
 
 def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:

@@ -17,7 +17,8 @@ the diagonal, about half), per call:
 - HBM bytes: every operand and result once (Q, K, V, O or dO, dQ, dK, dV, the log-sum-exp and the
   kernel's small scratch outputs), plus what its grid reads again: the forward and dq kernels load
   the K and V blocks once per block of queries, the dkv kernel the Q and dO blocks once per block
-  of keys (the log-sum-exp rows re-read with them are 1/16 of those and left out).
+  of keys (the log-sum-exp rows re-read with them are 1/16 of those and left out). Operands and
+  results the compiler placed in VMEM (memory space 1) move no HBM bytes.
 
 The block sizes come from the kernel's metadata in the HLO (splash's `xprof_metadata`); without
 them a kernel counts as one block (no re-reads: a lower bound). The mask is causal when the op_name
@@ -100,11 +101,12 @@ def splash_cost(ins: hlo_text.Instruction, shapes: dict[str, list[hlo_text.Array
   rows, cols = seq_q // block_q, seq_kv // block_kv
   flops = (_SPLASH_FACTOR[phase] * 4 * math.prod(lead) * seq_q * seq_kv * width
            * visited / (rows * cols))
-  once = sum(a.nbytes for a in operands if a is not None) + sum(a.nbytes for a in ins.arrays)
+  once = (sum(a.hbm_nbytes for a in operands if a is not None)
+          + sum(a.hbm_nbytes for a in ins.arrays))
   if phase == "fwd" or phase == "dq":  # K and V blocks again for every row of query blocks
-    again = (visited / cols - 1) * 2 * k.nbytes
+    again = (visited / cols - 1) * 2 * k.hbm_nbytes
   else:  # Q and dO blocks again for every column of key blocks
-    again = (visited / rows - 1) * 2 * q.nbytes
+    again = (visited / rows - 1) * 2 * q.hbm_nbytes
   return KernelCost(f"splash_{kind.group(1)}_{phase}", flops, once + again)
 
 
