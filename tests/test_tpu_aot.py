@@ -115,11 +115,13 @@ def test_hbm_bytes_of_a_loop_free_program_are_close_to_xla_s_own_count():
 
 
 # XLA:TPU's prefetches into VMEM (memory space 1): a copy of a 4 KiB weight, a 1 KiB slice of a
-# 4 KiB buffer, an eviction of 1 KiB back to HBM, and an add whose operand is in VMEM.
+# 4 KiB buffer, an eviction of 1 KiB back to HBM, an add whose operand is in VMEM; and a buffer
+# allocated, which moves nothing.
 _PREFETCHES = """
 ENTRY %main (w: f32[1024], big: f32[1024]) -> f32[256] {
   %w = f32[1024]{0} parameter(0)
   %big = f32[1024]{0} parameter(1)
+  %buffer = f32[4096]{0} custom-call(), custom_call_target="AllocateBuffer"
   %cs = (f32[1024]{0:S(1)}, f32[1024]{0}, u32[]{:S(2)}) copy-start(%w)
   %cd = f32[1024]{0:S(1)} copy-done(%cs)
   %ss = ((f32[1024]{0}), f32[256]{0:S(1)}, s32[]{:S(2)}) slice-start(%big), slice={[0:256]}
@@ -136,6 +138,7 @@ def test_prefetches_into_vmem_move_only_what_they_copy_and_vmem_reads_are_free()
   # The weight read (4 KiB), the slice read (1 KiB), the add's result written (1 KiB; its operand
   # is in VMEM), the eviction written (1 KiB). Counted whole, it was 4 times that.
   assert stats.hbm_bytes == 4096 + 1024 + 1024 + 1024
+  assert stats.uncounted == ()  # XLA's own custom call, known to compute and move nothing
 
 
 # A counted loop as XLA:TPU writes its windowed einsums: the counter starts from a copied

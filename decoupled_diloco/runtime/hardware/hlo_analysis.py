@@ -355,8 +355,7 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
   fusions = {name: _fusion_bytes(computations, name) for name in fused}
   flops = hbm = 0.0
   found: dict[tuple[str, tuple[str, ...], int], list[float]] = {}
-  kernels: dict[str, list[float]] = {}
-  uncounted: dict[str, float] = {}
+  custom_calls = kernels_lib.Tally()
   for name, instructions in computations.items():
     runs = times.get(name, 0.0)
     if not runs:
@@ -364,17 +363,10 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
     shapes = {ins.name: ins.arrays for ins in instructions}
     for ins in instructions:
       flops += runs * _matmul_flops(ins, shapes)
-      kernel = kernels_lib.splash_cost(ins, shapes) if ins.opcode == "custom-call" else None
-      if kernel is not None:
-        entry_ = kernels.setdefault(kernel.name, [0.0, 0.0, 0.0])
-        entry_[0] += runs
-        entry_[1] += runs * kernel.flops
-        entry_[2] += runs * kernel.hbm_bytes
-        hbm += runs * kernel.hbm_bytes
+      moved = custom_calls.add(ins, shapes, runs) if ins.opcode == "custom-call" else None
+      if moved is not None:  # a kernel's own bytes, or none
+        hbm += moved
         continue
-      if ins.opcode == "custom-call" and kernels_lib.target(ins) not in kernels_lib.NO_FLOPS:
-        label = kernels_lib.label(ins)
-        uncounted[label] = uncounted.get(label, 0.0) + runs
       if name not in fused and ins.opcode not in _FREE:
         hbm += runs * _moved_bytes(ins, shapes, fusions)
       kind = _collective(ins)
@@ -389,5 +381,6 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
   collectives = tuple(Collective(kind, axes, n, int(round(c)), b, ici)
                       for (kind, axes, n), (c, b, ici) in sorted(found.items()))
   return HloStats(flops, hbm, collectives, unknown,
-                  tuple(Kernel(k, int(round(c)), f, b) for k, (c, f, b) in sorted(kernels.items())),
-                  tuple((k, int(round(c))) for k, c in sorted(uncounted.items())))
+                  tuple(Kernel(k, int(round(c)), f, b)
+                        for k, (c, f, b) in sorted(custom_calls.kernels.items())),
+                  tuple((k, int(round(c))) for k, c in sorted(custom_calls.uncounted.items())))

@@ -36,18 +36,42 @@ import re
 from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.runtime.hardware import hlo_text
 
-# XLA:TPU's own custom calls that do no matmul: bitcasts of async slices, host offload moves,
-# buffer and layout markers, and the index bookkeeping of a gather (the embedding lookup). Their
-# bytes count as any instruction's; their matmul FLOPs are none (elementwise work is counted
-# nowhere, lm/flops.py).
-NO_FLOPS = frozenset({"ConcatBitcast", "AllocateBuffer", "MoveToHost", "MoveToDevice",
-                      "LayoutConstraint", "Sharding", "SPMDFullToShardShape",
-                      "SPMDShardToFullShape", "annotate_device_placement",
-                      "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked"})
+# XLA:TPU's own custom calls that do no matmul, as met in the shipped experiments' programs
+# (libtpu 0.0.42.1): a bitcast joining the pieces of an async slice, the index bookkeeping of a
+# gather (the embedding lookup), an uninitialised buffer's allocation. Their bytes count as any instruction's; their matmul FLOPs are
+# none (elementwise work is counted nowhere, lm/flops.py). Add one here only once it is known.
+NO_FLOPS = frozenset({"ConcatBitcast", "AssumeGatherIndicesInBound",
+                      "GatherScatterIndicesBitpacked", "AllocateBuffer"})
+# Of those, the ones that move no bytes either: an uninitialised buffer is neither read nor written.
+MOVES_NOTHING = frozenset({"AllocateBuffer"})
 # FLOPs of each splash kernel per 4 B H Sq Skv D of visited blocks.
 _SPLASH_FACTOR = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0, "dkv_fused": 2.5}
 _SPLASH_NAME = re.compile(r"\bsplash_(mha|mqa)_(fwd|dq|dkv)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass
+class Tally:
+  """The custom calls of one program, as the HLO walk meets them (`add`)."""
+
+  kernels: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # calls, FLOPs, bytes
+  uncounted: dict[str, float] = dataclasses.field(default_factory=dict)  # label -> calls
+
+  def add(self, ins: hlo_text.Instruction, shapes: dict[str, list[hlo_text.Array]], runs: float
+          ) -> float | None:
+    """Records custom call `ins`, run `runs` times; its HBM bytes when this counts them (a
+    recognised kernel's, or none), None when they are its operands' and results' as anyone's."""
+    kernel = splash_cost(ins, shapes)
+    if kernel is not None:
+      calls, flops, moved = self.kernels.get(kernel.name, (0.0, 0.0, 0.0))
+      self.kernels[kernel.name] = [calls + runs, flops + runs * kernel.flops,
+                                   moved + runs * kernel.hbm_bytes]
+      return runs * kernel.hbm_bytes
+    if target(ins) in MOVES_NOTHING:
+      return 0.0
+    if target(ins) not in NO_FLOPS:
+      self.uncounted[label(ins)] = self.uncounted.get(label(ins), 0.0) + runs
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
