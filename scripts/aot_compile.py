@@ -127,6 +127,7 @@ def _learner_record(report):
         "kernel_compute_s": roof.kernel_compute_s, "kernel_hbm_s": roof.kernel_hbm_s,
         "step_s": roof.step_s, "bound": roof.bound,
         "mfu_ceiling": roof.mfu_ceiling(chip.peak_flops_per_s),
+        "mfu_ceiling_causal": roof.causal_mfu_ceiling(chip.peak_flops_per_s),
         "tokens_per_step": roof.tokens_per_step, "tokens_per_s_per_slice": roof.tokens_per_s,
         "peak_flops_per_s": chip.peak_flops_per_s, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
         "ici_bytes_per_s": chip.ici_bytes_per_s}
@@ -266,7 +267,8 @@ def _markdown(doc):
                  f"HBM {roof['kernel_hbm_s'] * 1e3:.0f} ms)" if roof.get("kernel_compute_s") else "")
               + f", ICI {ici}: at least {roof['step_s'] * 1e3:.0f} ms "
               f"per step ({roof['bound']}-bound), an MFU ceiling of "
-              f"{100 * roof['mfu_ceiling']:.1f}% and at most "
+              f"{100 * roof['mfu_ceiling']:.1f}% ({100 * roof['mfu_ceiling_causal']:.1f}% without "
+              "causal attention's masked half in the model FLOPs, as MaxText counts them) and at most "
               f"{roof['tokens_per_s_per_slice']:,.0f} tokens/s per slice."]
     out.append("")
   syncer = doc.get("syncer")

@@ -67,6 +67,13 @@ def model_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
   return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
 
 
+def causal_model_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """6 N_matmul + 6 L s H K: the model FLOPs without causal attention's masked half, as Megatron-LM
+  and MaxText (maxtext_utils.calculate_tflops_training_per_device) count them. A kernel that
+  skips that half (splash) can pass 100% of PaLM's count; it cannot pass this one."""
+  return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len) // 2
+
+
 def block_projection_flops_per_token(cfg: _ModelShape) -> int:
   """The blocks' forward matmuls per token outside attention's s x s ones: projections and MLP."""
   d, hk, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.mlp_dim

@@ -217,6 +217,8 @@ class Roofline:
   model_flops_per_chip: float
   kernel_compute_s: float = 0.0  # the part of compute_s that is recognised kernels'
   kernel_hbm_s: float = 0.0  # the part of hbm_s that is theirs
+  # lm/flops.py's causal_model_flops_per_token: the masked half of attention not counted.
+  causal_model_flops_per_chip: float = 0.0
 
   @property
   def step_s(self) -> float:
@@ -229,6 +231,10 @@ class Roofline:
 
   def mfu_ceiling(self, peak: float) -> float:
     return self.model_flops_per_chip / peak / self.step_s
+
+  def causal_mfu_ceiling(self, peak: float) -> float:
+    """The same with causal attention's masked half not counted as model FLOPs (MaxText's MFU)."""
+    return self.causal_model_flops_per_chip / peak / self.step_s
 
   @property
   def tokens_per_s(self) -> float:
@@ -368,7 +374,9 @@ def compile_learner(settings: settings_lib.RunSettings, target: LearnerTarget, *
         model_flops_per_chip=flops_lib.model_flops_per_token(cfg, seq_len) * batch * seq_len
         / chips,
         kernel_compute_s=hlo.kernel_flops / chip.peak_flops_per_s,
-        kernel_hbm_s=sum(k.hbm_bytes for k in hlo.kernels) / chip.hbm_bytes_per_s)
+        kernel_hbm_s=sum(k.hbm_bytes for k in hlo.kernels) / chip.hbm_bytes_per_s,
+        causal_model_flops_per_chip=flops_lib.causal_model_flops_per_token(cfg, seq_len) * batch
+        * seq_len / chips)
   return LearnerReport(target, chip, batch, seq_len, programs, roofline)
 
 
