@@ -11,6 +11,7 @@ from conftest import tiny_settings
 from decoupled_diloco import command_line
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime.records import event_tape
+from decoupled_diloco.runtime.records import revision
 from decoupled_diloco import replay_config
 from decoupled_diloco.runtime import train
 from experiments import tiny_cpu
@@ -99,6 +100,39 @@ def test_a_tape_with_one_participant_taken_out_is_caught_at_that_merge(recorded,
   with pytest.raises(event_tape.ReplayDiverged,
                      match=f"fragment {merge['fragment']} version {merge['version']}: "):
     _replay(tmp_path / "replay", str(forged))
+
+
+def test_the_tape_names_the_revision_that_recorded_it():
+  here = revision.current()
+  assert here["version"] and set(here) == {"version", "commit", "dirty"}
+  assert revision.same(dict(here, dirty=False), dict(here, dirty=False)) == (here["commit"] is not None)
+  assert not revision.same(None, here) and not revision.same(dict(here, dirty=True), here)
+  assert revision.describe({"version": "0.1.0", "commit": "1a2b3c4d5e6f7a8b", "dirty": True}) == (
+      "0.1.0 at 1a2b3c4d5e6f (with uncommitted changes)")
+
+
+def test_a_replay_diverging_on_another_revision_says_which_two_met(recorded, tmp_path):
+  """A recording replays bit for bit on the revision that made it; on another one the first
+  difference says so, in one line, with the two revisions."""
+  recording, _ = recorded
+  records = _read_tape(recording)
+  assert records[0]["kind"] == "config" and records[0]["revision"] == event_tape.load(
+      recording).revision == revision.current()
+  records[0]["revision"] = {"version": "0.0.1", "commit": "0" * 40, "dirty": False}
+  merge = [r for r in records if r["kind"] == "merge" and r["version"] and len(r["offers"]) >= 2][0]
+  for field in ("offers", "accepted", "offer_fingerprints", "anchor_versions"):
+    merge[field] = merge[field][:-1]  # what another revision's rounding would make of it
+  older = tmp_path / "older"
+  older.mkdir()
+  with open(older / "tape.jsonl", "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  with pytest.raises(event_tape.ReplayDiverged) as err:
+    _replay(tmp_path / "replay", str(older))
+  message = str(err.value)
+  assert message.startswith("the recording came from 0.0.1 at 000000000000 and this is "
+                            f"{revision.describe(revision.current())}: a recording replays "
+                            "exactly on the revision that made it; fragment "), message
+  assert "\n" not in message
 
 
 def test_a_counterfactual_replay_under_average_ends_with_other_parameters(recorded, tmp_path):

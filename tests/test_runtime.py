@@ -305,6 +305,10 @@ def test_step_noise_spreads_each_learners_step_times_by_its_own_draws(tmp_path):
     assert np.corrcoef(own, times)[0, 1] > max(others), (m, others)
 
 
+# Two runs and a regression of step times on sleeps: 18-31 s, and its slope left the bounds once on
+# a 2-core host at load 5 (0.48). test_step_noise_spreads_each_learners_step_times_by_its_own_draws
+# keeps the default suite's check that the drawn sleeps reach the step times.
+@pytest.mark.slow
 def test_a_step_delay_shorter_than_the_step_still_slows_the_learner_by_the_delay(tmp_path):
   """learner_step_delays_s and learner_step_noise_s emulate slower hardware: a step takes its own
   time plus the sleep drawn for it, also when that is shorter than the step (slept while the step

@@ -237,3 +237,72 @@ def merge_fragment(
     else:
       merged[name] = rda(delta_MxN, w_M)
   return merged
+
+
+# ---- The same rules from per-learner parts: the syncer's fused merge ------------------------------
+#
+# The syncer decodes each learner's outer gradient and takes its norm in one pass over the offer
+# (runtime/core/fused_merge.py), so the rules below take the norms as given instead of reducing a
+# stacked [M, ...] tensor again. They equal `rda` / `weighted_average` up to float32 rounding
+# (tests/test_fused_merge.py): φ(Σ w φ(Δ_m) / Σ w) = φ(Σ (w / ‖Δ_m‖) Δ_m), since neither a
+# positive factor nor the order of the divisions changes a direction.
+
+
+def sum_of_squares(x) -> jax.Array:
+  """Σ x², float32. Over a [R, C, 16] view where the size allows it: XLA:CPU then adds 16 lanes at
+  a time, where a plain sum over a whole tensor to a scalar ran several times slower than reading
+  it (a float sum may not be reordered, so it is not vectorised)."""
+  x = jnp.asarray(x, jnp.float32)
+  if x.size % 64:
+    return jnp.sum(jnp.square(x))
+  lanes = jnp.sum(jnp.square(x).reshape(-1, 4, 16), axis=1)
+  return jnp.sum(jnp.sum(lanes, axis=1))
+
+
+def _sum_in_order(c_M, x_M):
+  """Σ_m c_m x_m, one add per learner in learner order (see `_weighted_sum`)."""
+  total = c_M[0] * x_M[0]
+  for m in range(1, len(x_M)):
+    total = total + c_M[m] * x_M[m]
+  return total
+
+
+def rda_direction(x_M, w_M, norms_M, scale_M=None) -> tuple[jax.Array, jax.Array]:
+  """RDA's two parts before the last normalisation: (Σ_m (w_m / ‖Δ_m‖) Δ_m, the radius
+  Σ_m w_m s_m ‖Δ_m‖ / Σ_m w_m). `rda_from_norms` finishes them."""
+  w_M = jnp.asarray(w_M, jnp.float32)
+  norms_M = jnp.asarray(norms_M, jnp.float32)
+  lengths_M = norms_M if scale_M is None else norms_M * jnp.asarray(scale_M, jnp.float32)
+  radius = _safe_div(jnp.sum(w_M * lengths_M), jnp.sum(w_M))
+  return _sum_in_order(_safe_div(w_M, norms_M), x_M), radius
+
+
+def rda_finish(direction, radius) -> jax.Array:
+  """radius · φ(direction)."""
+  return direction * _safe_div(radius, _sqrt0(sum_of_squares(direction)))
+
+
+def rda_from_norms(x_M, w_M, norms_M, scale_M=None) -> jax.Array:
+  """RDA of one tensor (`rda`) from the learners' outer gradients ``x_M`` (a sequence of arrays)
+  and their norms ‖Δ_m‖, with each Δ_m optionally scaled by ``scale_M`` (`staleness_scale`):
+
+    Δ = (Σ_m w_m s_m ‖Δ_m‖ / Σ_m w_m) · φ(Σ_m (w_m / ‖Δ_m‖) Δ_m).
+
+  A scale shortens the learner's length and leaves its direction alone, as scaling Δ_m before
+  `rda` does. A learner with ‖Δ_m‖ = 0 or w_m = 0 adds nothing.
+  """
+  return rda_finish(*rda_direction(x_M, w_M, norms_M, scale_M))
+
+
+def average_from_parts(x_M, w_M, scale_M=None) -> jax.Array:
+  """`weighted_average` of one tensor from the learners' outer gradients ``x_M`` (a sequence),
+  each optionally scaled by ``scale_M``: Δ = Σ_m w_m s_m Δ_m / Σ_m w_m."""
+  w_M = jnp.asarray(w_M, jnp.float32)
+  c_M = w_M if scale_M is None else w_M * jnp.asarray(scale_M, jnp.float32)
+  return _safe_div(_sum_in_order(c_M, x_M), jnp.sum(w_M))
+
+
+def _sqrt0(sq):
+  """√sq with a finite gradient at 0 (as `_norm`)."""
+  positive = sq > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)

@@ -40,6 +40,7 @@ from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime.records import elastic_restore
 from decoupled_diloco.runtime.records import event_tape
 from decoupled_diloco.runtime.records import job_state
+from decoupled_diloco.runtime.records import revision
 
 
 def _open_checkpoints(settings: settings_lib.RunSettings
@@ -180,7 +181,8 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
       tape=settings.tape and not settings.replay)
   if metrics.taping:
     metrics.tape_event("config", {"format": event_tape.FORMAT,
-                                  "config": event_tape.settings_record(settings)})
+                                  "config": event_tape.settings_record(settings),
+                                  "revision": revision.current()})
   syncer, port = None, None
   transport.start(settings)
 

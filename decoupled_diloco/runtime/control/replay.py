@@ -10,10 +10,12 @@ from typing import Any
 
 from absl import logging
 
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime.control import controller
 from decoupled_diloco.runtime.control import run as run_lib
 from decoupled_diloco.runtime.control import summary as summary_lib
 from decoupled_diloco.runtime.records import event_tape
+from decoupled_diloco.runtime.records import revision
 
 
 def replay(run: run_lib.Run, *, progress: bool = True) -> dict[str, Any]:
@@ -26,9 +28,23 @@ def replay(run: run_lib.Run, *, progress: bool = True) -> dict[str, Any]:
   for field in counterfactual:
     logging.info("counterfactual replay: config.%s=%s (recorded: %s)", field["field"],
                  field["replayed"], field["recorded"])
+  for name in sorted(set(now) - set(tape.config)):
+    if name in settings_lib.ADDED_FIELDS:
+      logging.info("config.%s is not in the recording (made before the field existed): read as "
+                   "%s, the value that run ran as", name, settings_lib.ADDED_FIELDS[name])
   try:
     outcome = event_tape.replay(run, tape, now)
     final = controller.evaluate(run, settings.num_steps, final=True)
+  except event_tape.ReplayDiverged as err:
+    run.metrics.close()
+    here = revision.current()
+    if revision.same(tape.revision, here):
+      raise
+    # Bit for bit holds on the revision that recorded: another one may round differently.
+    raise event_tape.ReplayDiverged(
+        f"the recording came from {revision.describe(tape.revision)} and this is "
+        f"{revision.describe(here)}: a recording replays exactly on the revision that made it; "
+        f"{err}") from err
   except BaseException:
     run.metrics.close()
     raise

@@ -13,10 +13,15 @@ With `config.outer.staleness_scaling` other than "none", `merge` first scales ea
 gradient by `merge.staleness_scale` of its staleness: the versions of Theta_p installed since the
 one the offer is anchored at (`Offer.anchor_version` against the version the merge steps from).
 
-Each tensor's merge is one jitted program over the syncer mesh: the learners' outer gradients are
-stacked on a leading axis sharded over the syncer devices, and the sums that RDA and the weighted
-average need become one all-reduce. Programs are compiled per tensor shape, so their number does
-not grow with the model's depth. The math is `merge` and `outer`; this module only calls it.
+On a syncer of one device with `anchor="learner"` (the default) the screen and the merge run as
+`fused_merge.FusedMerge`'s programs: each offer's wire round trip and norms once, in the screen,
+then the weights, RDA and outer step in one program per tensor, and the delta broadcast's encoding
+too. Otherwise (a syncer mesh of several devices, `anchor="syncer"`, or `fused=False`, the
+reference the fused merge is tested against) each tensor's merge is one jitted program over the
+syncer mesh: the learners' outer gradients, encoded and decoded by numpy, are stacked on a leading
+axis sharded over the syncer devices, and the sums that RDA and the weighted average need become
+one all-reduce. Programs are compiled per tensor shape either way, so their number does not grow
+with the model's depth. The math is `merge` and `outer`; this module only calls it.
 
 The delta broadcast (`config.compression.broadcast_delta` other than "none"): the syncer keeps, per
 fragment, R_p, the value every up-to-date learner holds as its anchor, and a merge broadcasts
@@ -32,8 +37,10 @@ Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parame
 optimizer slot (1 for SGD with momentum, 2 for Adam or Delayed Nesterov, 0 for plain SGD), plus the
 optimizer's scalar leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with
 anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
-Nothing grows with the number of steps. A merge in progress adds one tensor's stacked outer
-gradients (learners x tensor size, fp32); screening adds one tensor's outer gradient at a time.
+Nothing grows with the number of steps. A fused merge in progress adds every screened offer's wire
+(int codes 1 byte per parameter plus a scale per block, bf16 2, fp32 4) until its merge is done,
+and the next Theta_p and momentum; the reference merge adds one tensor's stacked outer gradients
+(learners x tensor size, fp32), and its screen one tensor's outer gradient at a time.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from decoupled_diloco.algorithm import merge as merge_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.algorithm import robust
 from decoupled_diloco.runtime.core import devices as devices_lib
+from decoupled_diloco.runtime.core import fused_merge
 from decoupled_diloco.runtime.core import messages
 
 _FLOAT_BYTES = 4
@@ -99,6 +107,8 @@ class Screening:
   norms: tuple[float, ...]  # ||Delta_m|| / steps of each accepted offer (`screen`)
   rejected: tuple[Rejection, ...]
   window: robust.NormWindow  # the fragment's yardstick after this round (`keep_screening`)
+  # The fused merge: each accepted offer's wire round trip, for `merge` to take up (else None)
+  prepared: tuple[fused_merge.PreparedOffer, ...] | None = None
 
 
 def outer_state_slots(tx: optax.GradientTransformation) -> int:
@@ -131,10 +141,11 @@ class GlobalModel:
                outer_tx: optax.GradientTransformation, merge: settings_lib.MergeSettings,
                compression: settings_lib.CompressionSettings, num_learners: int,
                inner_learning_rates: Sequence[float] | np.ndarray | None = None,
-               staleness_scaling: str = "none"):
+               staleness_scaling: str = "none", fused: bool = True):
     """`inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
     norms per unit of it); None judges them per step. `staleness_scaling`:
-    `config.outer.staleness_scaling` (`merge.STALENESS_SCALINGS`)."""
+    `config.outer.staleness_scaling` (`merge.STALENESS_SCALINGS`). `fused=False` keeps the
+    per-tensor programs over numpy-encoded outer gradients (see the module docstring)."""
     self.fragments = tuple(fragments)
     self.mesh = mesh
     self._merge = merge
@@ -166,6 +177,13 @@ class GlobalModel:
     self._step_scale = robust.StepScale(inner_learning_rates)
     self._merge_fns = {average: self._build_merge_fn(average) for average in (False, True)}
     self._programs: dict[tuple[tuple[int, ...], bool], Any] = {}
+    self._fused = None
+    if fused and shards == 1 and merge.anchor == "learner":
+      self._fused = fused_merge.FusedMerge(
+          sharding=self._replicated, tx=outer_tx, rule=merge.rule, weighting=merge.weighting,
+          outer_grad=compression.outer_grad, broadcast_delta=compression.broadcast_delta,
+          block_size=compression.block_size, num_slots=self._padded_learners,
+          scaled=staleness_scaling != "none")
 
   # ---- set-up ------------------------------------------------------------------------------------
 
@@ -191,6 +209,11 @@ class GlobalModel:
   def compile(self) -> float:
     """Compiles one merge program per tensor shape ahead of time; returns the seconds it took."""
     start = time.perf_counter()
+    if self._fused is not None:
+      for fragment in self.fragments:
+        self._fused.compile(self._theta[fragment.index], self._opt_states[fragment.index],
+                            fragment.embedding_names)
+      return time.perf_counter() - start
     for fragment in self.fragments:
       for name in fragment.names:
         key = self._program_key(fragment, name)
@@ -268,30 +291,52 @@ class GlobalModel:
     (`keep_screening`) before the next screen of that fragment.
     """
     names = self.fragments[p].names
-    norms = [robust.fragment_norm(offer.outer_gradient(name) for name in names)
-             / self._step_scale(offer.step, offer.steps) for offer in offers]
+    prepared = None
+    if self._fused is not None:
+      prepared = self._fused.prepare(names, offers)
+      norms = [self._screen_norm(names, offer, math.sqrt(part.raw_sumsq))
+               for offer, part in zip(offers, prepared)]
+    else:
+      norms = [self._screen_norm(names, offer) for offer in offers]
     verdicts, window = robust.judge_round([o.learner for o in offers], norms,
                                           self._norm_windows[p], self._merge.max_norm_ratio,
                                           self._num_learners)
+    accepted = [v.reason is None for v in verdicts]
     return Screening(
         fragment=p,
-        accepted=tuple(o for o, v in zip(offers, verdicts) if v.reason is None),
+        accepted=tuple(o for o, ok in zip(offers, accepted) if ok),
         norms=tuple(v.norm for v in verdicts if v.reason is None),
         rejected=tuple(Rejection(o, v.reason, v.norm, v.median)
                        for o, v in zip(offers, verdicts) if v.reason is not None),
-        window=window)
+        window=window,
+        prepared=None if prepared is None else tuple(
+            part for part, ok in zip(prepared, accepted) if ok))
+
+  def _screen_norm(self, names: Sequence[str], offer: messages.Offer,
+                   norm: float | None = None) -> float:
+    """||Delta_m|| per unit of learning rate. `norm`: the fused merge's, from float32 sums of
+    squares per block; where those overflowed (a value past 1e19) or met a NaN, the float64 norm
+    decides, so that a huge but finite offer is an outlier, as `robust.fragment_norm` says, not a
+    non-finite one."""
+    if norm is None or not math.isfinite(norm):
+      norm = robust.fragment_norm(offer.outer_gradient(name) for name in names)
+    return norm / self._step_scale(offer.step, offer.steps)
 
   def keep_screening(self, screening: Screening) -> None:
     """Makes a screen's outcome the yardstick of the fragment's next screen, whether or not a merge
     followed (every offer rejected: none did)."""
     self._norm_windows[screening.fragment] = screening.window
 
-  def merge(self, p: int, offers: Sequence[messages.Offer]) -> MergeResult:
+  def merge(self, p: int, offers: Sequence[messages.Offer],
+            prepared: Sequence[fused_merge.PreparedOffer] | None = None) -> MergeResult:
     """The next Theta_p from `offers`, computed but not installed.
 
     Reads Theta_p, its outer state and its kept versions, so the caller runs at most one merge of
-    a fragment at a time and installs it before starting the next.
+    a fragment at a time and installs it before starting the next. `prepared`: the fused merge's
+    round trip of these offers, as `screen` made it (`Screening.prepared`); None makes it here.
     """
+    if self._fused is not None:
+      return self._fused_merge(p, offers, prepared)
     wire_formats, fragment = self._compression, self.fragments[p]
     tokens = np.zeros(self._padded_learners, np.float32)
     steps = np.zeros(self._padded_learners, np.float32)
@@ -325,6 +370,36 @@ class GlobalModel:
     return MergeResult(p, new_theta, new_opt, wire, np.asarray(weights), bytes_up, encode_s,
                        merge_s, time.monotonic() - t2, base_version, received)
 
+  def _fused_merge(self, p: int, offers: Sequence[messages.Offer],
+                   prepared: Sequence[fused_merge.PreparedOffer] | None) -> MergeResult:
+    fragment = self.fragments[p]
+    if prepared is None:
+      prepared = self._fused.prepare(fragment.names, offers)
+    tokens = np.zeros(self._padded_learners, np.float32)
+    steps = np.zeros(self._padded_learners, np.float32)
+    for offer in offers:
+      tokens[offer.learner], steps[offer.learner] = offer.tokens, offer.steps
+    scales = self._staleness_scales(p, offers)
+    scale_M = None
+    if scales is not None:
+      scale_M = np.ones(self._padded_learners, np.float32)
+      for learner, scale in scales.items():
+        scale_M[learner] = scale
+    started = time.monotonic()
+    new_theta, new_opt, weights = self._fused.step(
+        self._theta[p], self._opt_states[p], {o.learner: part for o, part in zip(offers, prepared)},
+        tokens, steps, scale_M, fragment.embedding_names)
+    merge_s = time.monotonic() - started
+    bytes_up = len(offers) * sum(
+        compression_lib.encoded_nbytes(v.size, self._compression.outer_grad,
+                                       self._compression.block_size)
+        for v in self._theta[p].values())
+    started = time.monotonic()
+    wire, base_version, received = self._broadcast_of(p, new_theta)
+    return MergeResult(p, new_theta, new_opt, wire, weights, bytes_up,
+                       sum(part.seconds for part in prepared), merge_s,
+                       time.monotonic() - started, base_version, received)
+
   def _staleness_scales(self, p: int, offers: Sequence[messages.Offer]
                         ) -> dict[int, np.float32] | None:
     """Per learner, the factor on its outer gradient (`merge.staleness_scale`) for a merge of p
@@ -347,6 +422,9 @@ class GlobalModel:
       wire = compression_lib.encode_tree(new_theta, formats.broadcast, formats.block_size)
       return wire, None, compression_lib.decode_tree(wire) if self._delta else None
     base = self._received[p]
+    if self._fused is not None and self._fused.delta_in_programs:
+      wire, received = self._fused.broadcast(new_theta, base)
+      return wire, self._versions[p], received
     wire = compression_lib.encode_tree({n: v - base[n] for n, v in new_theta.items()},
                                        formats.broadcast_delta, formats.block_size)
     # The learners' sum, in the same float32 arithmetic: R_p stays what they hold, bit for bit.

@@ -119,7 +119,7 @@ def time_merge(settings: settings_lib.RunSettings, fragment: fragments_lib.Fragm
     started, cpu = time.perf_counter(), time.process_time()
     screening = model.screen(0, offers)
     model.keep_screening(screening)
-    result = model.merge(0, screening.accepted)
+    result = model.merge(0, screening.accepted, screening.prepared)
     merged, merged_cpu = time.perf_counter(), time.process_time()
     model.install(result)
     if step:  # the first compiles nothing but touches every page for the first time

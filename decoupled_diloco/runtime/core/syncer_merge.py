@@ -83,10 +83,12 @@ class SyncerMerges:
     Screens the offers first: Theta_p never moves from a rejected one. None: all were rejected.
     """
     screening = self.model.screen(p, offers)
+    # The accepted offers' wires are the merge's input only: not held while the result waits.
+    prepared, screening = screening.prepared, dataclasses.replace(screening, prepared=None)
     if not screening.accepted:
       # Lock-step learners wait for a new version of p: they get Theta_p back, unchanged.
       return screening, self.model.unchanged(p) if self._sync.lock_step else None
-    return screening, self.model.merge(p, screening.accepted)
+    return screening, self.model.merge(p, screening.accepted, prepared)
 
   def _tape_merge(self, p: int, offers: tuple[messages.Offer, ...],
                   screening: global_model_lib.Screening,

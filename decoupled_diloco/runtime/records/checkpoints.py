@@ -269,6 +269,10 @@ class Checkpoints:
     differ = sorted(k for k in set(theirs) | set(self._fingerprint)
                     if theirs.get(k, settings_lib.ADDED_FIELDS.get(k)) != self._fingerprint.get(k)
                     and k not in elastic)
+    for k in sorted(set(self._fingerprint) - set(theirs)):
+      if k in settings_lib.ADDED_FIELDS:
+        logging.info("config.%s is not in %s's fingerprint (written before the field existed): "
+                     "read as %s, the value that run ran as", k, path, settings_lib.ADDED_FIELDS[k])
     if differ:
       shown = "; ".join(f"config.{k}={theirs.get(k, '(absent)')} there, "
                         f"{self._fingerprint.get(k, '(absent)')} here" for k in differ[:4])

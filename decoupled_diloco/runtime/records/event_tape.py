@@ -139,6 +139,7 @@ class Tape:
   learner_events: dict[int, list[dict[str, Any]]]  # per learner, in `seq` order
   merges: list[dict[str, Any]]  # in the order the syncer made them
   events: list[dict[str, Any]]  # faults, checkpoints, absences
+  revision: dict[str, Any] | None = None  # the code that recorded it (records/revision.py)
 
 
 def counterfactual(recorded: dict[str, str], now: dict[str, str]) -> list[dict[str, str]]:
@@ -228,7 +229,8 @@ def load(workdir: str) -> Tape:
                           f"{event['incarnation']} restarted with a fresh optimizer state (no "
                           "healthy peer); replaying that is not built yet")
         incarnation = event["incarnation"]
-  return Tape(path, configs[0]["config"], dict(learner_events), merges, events)
+  return Tape(path, configs[0]["config"], dict(learner_events), merges, events,
+              configs[0].get("revision"))
 
 
 @dataclasses.dataclass
