@@ -4,15 +4,18 @@ r"""Compiles every learner program of an experiment for its real TPU topology, o
   python scripts/aot_compile.py --config=experiments/tiny_cpu.py --topology=v5p:2x2x1
   python scripts/aot_compile.py --config=experiments/dense_5b_v5p.py --config.model.remat=auto
   python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py --num_slices=8
+  python scripts/aot_compile.py --config=experiments/hetero_v6e_v5p.py \
+      --config.model.attention=splash --name=hetero_v6e_v5p_splash
 
 No TPU is needed: libtpu (the `tpu` extra) gives the compile-only devices of a named topology and
 the TPU compiler (runtime/tpu_aot.py). Each distinct learner is compiled on its topology (the
 config's `devices.tpu_topologies`, or --topology for all), and for each of its programs (train
 step, eval step, publication copy, apply of a broadcast, sampling step) this prints and writes
-HBM per chip against the chip's, the compiled matmul FLOPs beside lm/flops.py's, every collective
-with its bytes and mesh axes; for the train step a roofline (step time, MFU ceiling, tokens/s per
-slice); and for the syncer the merges falling due at that pace, their bytes, a merge of the
-median fragment timed on this host, and the `syncer.num_workers` that keep up.
+HBM per chip against the chip's, the compiled FLOPs (matmuls, and the splash attention kernels
+counted from their shapes; any other custom call listed as uncounted) beside lm/flops.py's, every
+collective with its bytes and mesh axes; for the train step a roofline (step time, MFU ceiling,
+tokens/s per slice); and for the syncer the merges falling due at that pace, their bytes, a merge
+of the median fragment timed on this host, and the `syncer.num_workers` that keep up.
 With --num_slices=N the learners are compiled as on a multi-slice pod: N slices of each topology,
 every learner placed by the run's own carving on a slice of its own and compiled on its devices,
 with the slice it landed on and whether any of its collectives joins devices of two slices.
