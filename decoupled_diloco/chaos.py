@@ -16,10 +16,14 @@ each `KIND@key=value,key=value`:
   join@learner=M,second=T                    a learner held back at start (config.late_learners)
                                              joins T s into training
   syncer_crash@second=T,down_s=D             the syncer's state is lost; restarted D s later
+  syncer_crash@shard=I,second=T,down_s=D     the same for shard I of a sharded syncer
+                                             (config.syncer.num_shards); without shard= every
+                                             shard crashes (the whole syncer's state is lost)
   corrupt_checkpoint@second=T                the newest checkpoint on disk is damaged
   node_loss@learner=M,step=S                 the Ray node (host) of learner M is lost with every
                                              process on it; Ray restarts the learner on a spare
   node_loss@syncer,second=T                  the syncer's host is lost; restored on a spare
+                                             (shard=I: shard I's host; without: every shard's)
 
 A learner event fires before a given step of that learner (`step=`) or at a time into training
 (`second=`): exactly one of the two. Random mode adds crashes at exponential intervals of mean
@@ -67,6 +71,9 @@ class Fault:
 
   kind: str
   learner: int | None = None  # None for syncer and checkpoint faults
+  # A syncer fault's shard of a sharded syncer (config.syncer.num_shards); None: every shard (an
+  # unsharded syncer is one).
+  shard: int | None = None
   step: int | None = None  # fires before this step of the learner ...
   second: float | None = None  # ... or at this time
   down_s: float = 0.0  # crash, syncer_crash: until the repair
@@ -111,6 +118,8 @@ def _parse_event(index: int, event: str, num_learners: int) -> Fault:
     if not items:
       raise _error(index, event, "node_loss@syncer needs second= (when it happens)")
   allowed = set(kind.durations) | {"second"}
+  if kind.target == "syncer":
+    allowed |= {"shard"}
   if kind.target == "learner":
     allowed |= {"learner"} | ({"step"} if kind.step_trigger else set())
   values: dict[str, str] = {}
@@ -137,6 +146,8 @@ def _parse_event(index: int, event: str, num_learners: int) -> Fault:
       raise _error(index, event, f"learner={learner} is out of range: the run has learners "
                                  f"0..{num_learners - 1}")
     fields["learner"] = learner
+  if "shard" in values:
+    fields["shard"] = _number(index, event, "shard", values["shard"], integer=True)
   triggers = [k for k in ("step", "second") if k in values]
   if len(triggers) != 1:
     needed = "one of step= or second=" if "step" in allowed else "second="
@@ -178,6 +189,15 @@ def check_within_run(faults: Sequence[Fault], num_steps: int) -> None:
     if fault.step is not None and fault.step >= num_steps:
       raise _error(index, fault.source, f"step={fault.step} is never reached: the run's last "
                                         f"step is {num_steps - 1} (config.num_steps={num_steps})")
+
+
+def check_shards(faults: Sequence[Fault], num_shards: int) -> None:
+  """A syncer fault's shard= names a shard the syncer has."""
+  for index, fault in enumerate(faults):
+    if fault.shard is not None and fault.shard >= num_shards:
+      raise _error(index, fault.source, f"shard={fault.shard} is out of range: "
+                                        f"config.syncer.num_shards={num_shards} has shard(s) "
+                                        f"0..{num_shards - 1}")
 
 
 def check_joins(faults: Sequence[Fault], late_learners: Sequence[int]) -> None:

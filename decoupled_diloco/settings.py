@@ -62,7 +62,9 @@ BROADCAST_DELTA_FORMATS = ("none",) + tuple(f for f in compression.FORMATS if f 
 ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
                 "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0",
                 "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''",
-                "model.splash_block_q": "0", "model.splash_block_kv": "0"}
+                "model.splash_block_q": "0", "model.splash_block_kv": "0",
+                "syncer.merge_delay_steps": "0",
+                "syncer.num_shards": "1"}
 
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
 _DERIVED = {"derived": True}
@@ -142,8 +144,14 @@ class TpuSlice:
 
 @dataclasses.dataclass(frozen=True)
 class SyncerSettings:
-  num_devices: int  # CPU devices of the syncer mesh; 0 in dp mode (no syncer)
-  num_workers: int  # threads that run merges of different fragments at once
+  num_devices: int  # CPU devices of the syncer mesh (of each shard's); 0 in dp mode (no syncer)
+  num_workers: int  # threads that run merges of different fragments at once (in each shard)
+  # Each merge holds its worker for this many steps of the fastest learner: a syncer slower than
+  # the learners, emulated (runtime/core/merge_hold.py). 0 = none; 0 in dp mode (no syncer).
+  merge_delay_steps: int
+  # Shards of the syncer, each owning some fragments (algorithm/shards.py); 1 = not sharded, and
+  # in dp mode and a replay (which merges on one global model in the recorded order).
+  num_shards: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,6 +475,18 @@ def _workdir(config) -> str:
   return workdir
 
 
+def _check_num_shards(num_shards: int, mode: str, sync: SyncSettings | None,
+                      chaos_settings: ChaosSettings) -> None:
+  """config.syncer.num_shards: a decoupled syncer of at most one shard per fragment."""
+  if num_shards > 1 and mode != "decoupled":
+    _fail("syncer.num_shards", num_shards, f"must be 1 with config.mode={mode!r}: only the "
+          "decoupled syncer is sharded (dp mode has no syncer; a lock-step round is one shard's)")
+  if sync is not None and num_shards > sync.num_fragments:
+    _fail("syncer.num_shards", num_shards, f"must be between 1 and config.sync.num_fragments="
+          f"{sync.num_fragments}: each shard owns at least one fragment")
+  chaos.check_shards(chaos_settings.faults, num_shards)
+
+
 def _replay(config, workdir: str, mode: str, runtime: str, chaos_settings: ChaosSettings,
             late_learners: tuple[int, ...]) -> str:
   """config.replay: "" or the workdir of a recorded run, which holds its tape.jsonl."""
@@ -590,6 +610,18 @@ def _late_learners(config, mode: str, num_learners: int,
                                  f"(mode={mode!r}): the lock-step modes train a fixed set")
   chaos.check_joins(faults, late)
   return tuple(int(m) for m in late)
+
+
+def _merge_delay_steps(config, mode: str) -> int:
+  """config.syncer.merge_delay_steps: >= 0, and 0 in the lock-step modes."""
+  steps = _check_int(config, "syncer.merge_delay_steps", 0)
+  if steps and mode in ("diloco", "streaming"):
+    # Lock-step learners wait at the barrier for the merge, so the clock a held merge waits for
+    # would never move.
+    _fail("syncer.merge_delay_steps", steps,
+          f"must be 0 with config.mode={mode!r}: its learners wait for every merge, so a merge "
+          "held for their next steps would never be released (decoupled mode only)")
+  return steps
 
 
 def _nesterov_delay(config) -> int:
@@ -941,10 +973,13 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   delays = _step_delays(config, num_learners)
   step_noise = _check_float(config, "learner_step_noise_s", 0.0)
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
-                          num_workers=_check_int(config, "syncer.num_workers", 1))
+                          num_workers=_check_int(config, "syncer.num_workers", 1),
+                          merge_delay_steps=_merge_delay_steps(config, mode),
+                          num_shards=_check_int(config, "syncer.num_shards", 1))
 
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners, num_steps)
+  _check_num_shards(syncer.num_shards, mode, sync, chaos_settings)
   max_restarts = _check_int(config, "max_restarts", 0)
   late_learners = _late_learners(config, mode, num_learners, chaos_settings.faults)
   checkpoint, restore = _resolve_checkpoint(config, workdir)
@@ -955,6 +990,12 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
                                            mesh_shapes, devices)
   tape = _check_bool(config, "tape")
   replay = _replay(config, workdir, mode, runtime, chaos_settings, late_learners)
+  if replay and syncer.num_shards > 1:
+    # The tape holds each fragment's merges in order, whichever shard made them, and a replay
+    # runs them on one global model: the same values, bit for bit.
+    logging.info("config.syncer.num_shards=%d: a replay merges on one syncer",
+                 syncer.num_shards)
+    syncer = dataclasses.replace(syncer, num_shards=1)
   if checkpoint.every_steps == 0 and any(f.kind == "corrupt_checkpoint"
                                          for f in chaos_settings.faults):
     _fail("chaos.schedule", chaos_settings.schedule, "corrupt_checkpoint damages the newest "
@@ -1077,7 +1118,7 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     # A synchronous job steps at the pace of its slowest host: the slowest learner's delay.
     delays = (max(delays),)
     num_learners, sync = 1, None
-    syncer = dataclasses.replace(syncer, num_devices=0)
+    syncer = dataclasses.replace(syncer, num_devices=0, merge_delay_steps=0)
     devices = dataclasses.replace(devices, learners_sharing_devices=1,
                                   tpu_topologies=())
 

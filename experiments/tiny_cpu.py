@@ -164,6 +164,17 @@ def get_config() -> ml_collections.ConfigDict:
   # Threads that merge different fragments at once (numpy and XLA release the GIL). 1 on a 2-core
   # box; on a GPU / TPU host with many cores, more keep large merges up with fast learner steps.
   config.syncer.num_workers = 1
+  # Each merge holds its worker until the fastest learner has made this many more steps: emulates
+  # a syncer slower than the learners (the lagging regime), the same in steps on any host's load.
+  # 0 = none (merges run at the host's speed); decoupled mode only.
+  config.syncer.merge_delay_steps = 0
+  # Shards of the syncer (the paper's "sharded M ways"): each owns some fragments, balanced by
+  # bytes, with their Theta_p, outer states, merges and checkpoint, and runs as a thread on
+  # num_devices CPU devices of its own (runtime=threads; raise devices.num_fake_cpu_devices by
+  # num_devices per extra shard) or as a process of its own (runtime=ray, placed by
+  # ray.syncer_resource). A lost shard is restored alone while the others merge on. Decoupled
+  # mode only; at most sync.num_fragments. 1 here: one syncer thread keeps up with 4 tiny learners.
+  config.syncer.num_shards = 1
 
   config.sync = ml_collections.ConfigDict()
   config.sync.num_fragments = 24  # P (paper: 24)

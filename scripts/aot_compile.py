@@ -60,11 +60,16 @@ _NUM_SLICES = flags.DEFINE_integer(
 _OUT_DIR = flags.DEFINE_string("out_dir", "results", "Where aot_<experiment>.{json,md} go.")
 _NAME = flags.DEFINE_string("name", None, "Report name; default the config file's.")
 _MERGE_TIMING = flags.DEFINE_bool("merge_timing", True, "Time the syncer's merge on this host.")
+_SYNCER_ONLY = flags.DEFINE_bool(
+    "syncer_only", False, "Compile nothing: time the syncer's merge on this host again and rewrite "
+    "the syncer part of an existing report (--out_dir's aot_<name>.json, which gives the "
+    "learners' roofline steps).")
 flags.mark_flags_as_required(["config"])
 
 _GIB = 1024**3
 # Exit status when a program of the experiment does not fit or does not compile.
 EXIT_DOES_NOT_FIT = 3
+_SHARD_COUNTS = (1, 2, 4, 8)  # the shardings the syncer's sizing is given for (those <= P)
 
 
 def _gib(n):
@@ -149,6 +154,11 @@ def _syncer_record(load):
                 "bytes_down": t.bytes_down},
       "largest_merge_s": load.largest_merge_s, "busy_worker_s_per_s": load.busy_s_per_s,
       "workers_needed": load.workers_needed,
+      "largest_merge_within_period": load.keeps_each_fragment_fresh,
+      "shards": [{"num_shards": s, "cores_per_shard": load.shard_cores(s),
+                  "cores": sum(load.shard_cores(s))}
+                 for s in _SHARD_COUNTS if s <= load.num_fragments],
+      "timed_with": "fused merge (runtime/core/fused_merge.py)",
   }
 
 
@@ -290,8 +300,65 @@ def _markdown(doc):
             f"{syncer['largest_fragment_params'] / 1e6:.0f}M, {syncer['largest_merge_s']:.1f} s), "
             f"the merges need {syncer['busy_worker_s_per_s']:.1f} CPU seconds per second: "
             f"syncer.num_workers >= {syncer['workers_needed']}, one core each, at this host's "
-            f"speed per core.", ""]
+            f"speed per core."]
+    if "shards" in syncer:
+      rows = "; ".join(
+          f"{s['num_shards']} shard(s): {'+'.join(map(str, s['cores_per_shard']))} = "
+          f"{s['cores']} cores" for s in syncer["shards"])
+      fresh = ("within" if syncer["largest_merge_within_period"] else
+               "longer than")
+      out[-1] += (f" Sharded (config.syncer.num_shards, fragments balanced by bytes), the cores "
+                  f"each shard needs: {rows}. The largest fragment's merge on one core is {fresh} "
+                  f"its period of H steps ({syncer['period'] * syncer['clock_step_s']:.1f} s).")
+    if "command" in syncer:
+      out[-1] += (f" (This part timed again without compiling, {syncer['date']}, "
+                  f"{syncer['host']}: `{syncer['command']}`.)")
+    out.append("")
   return "\n".join(out)
+
+
+def _report_base(suffix: str = "") -> str:
+  name = _NAME.value or pathlib.Path(sys.argv[[a.startswith("--config=") for a in sys.argv].index(
+      True)].split("=", 1)[1]).stem + suffix
+  return os.path.join(_OUT_DIR.value, f"aot_{name}")
+
+
+def _write(base: str, doc: dict) -> None:
+  os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
+  with open(base + ".json", "w", encoding="utf-8") as f:
+    json.dump(doc, f, indent=2)
+  text = _markdown(doc)
+  with open(base + ".md", "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  print(text)
+  print(f"written: {base}.json, {base}.md")
+
+
+def _retime_syncer(config) -> None:
+  """--syncer_only: the syncer's part of an existing report, from a merge timed now."""
+  base = _report_base("_multislice" if _NUM_SLICES.value else "")
+  if not os.path.isfile(base + ".json"):
+    raise errors.InputError(f"--syncer_only: no report {base}.json to update; compile it first "
+                            f"(without --syncer_only)")
+  with open(base + ".json", encoding="utf-8") as f:
+    doc = json.load(f)
+  config.devices.platform = "tpu"
+  config.devices.num_fake_cpu_devices = 0
+  try:
+    settings = settings_lib.validate(config)
+  except ValueError as err:
+    raise errors.InputError(f"Invalid config: {err}") from err
+  steps = [l["roofline"]["step_s"] for l in doc["learners"] if l.get("roofline")]
+  if settings.sync is None or not steps:
+    raise errors.InputError(f"{base}.json has no learner roofline or the run no syncer: nothing "
+                            f"to size")
+  print("timing a merge of the median fragment on this host ...", flush=True)
+  timing = syncer_load.time_merge(settings, syncer_load.median_fragment(settings))
+  doc["syncer"] = _syncer_record(syncer_load.load(settings, min(steps), timing))
+  doc["syncer"]["command"] = " ".join(["python scripts/aot_compile.py"] + sys.argv[1:])
+  doc["syncer"]["date"] = datetime.date.today().isoformat()
+  doc["syncer"]["host"] = f"{os.cpu_count()} CPU cores, {platform.machine()}"
+  _write(base, doc)
 
 
 def main(argv):
@@ -304,6 +371,9 @@ def main(argv):
     raise errors.InputError(f"--config={path or ''}: an experiment config file is required, e.g. "
                             f"--config=experiments/dense_5b_v5p.py")
   config = _CONFIG.value
+  if _SYNCER_ONLY.value:
+    _retime_syncer(config)
+    return
   # Compiled for TPU chips: the run there places its own devices and donates the train state.
   config.devices.platform = "tpu"
   config.devices.num_fake_cpu_devices = 0
@@ -357,15 +427,7 @@ def main(argv):
     timing = syncer_load.time_merge(settings, syncer_load.median_fragment(settings))
     doc["syncer"] = _syncer_record(syncer_load.load(settings, min(steps), timing))
   doc["wall_s"] = time.perf_counter() - started
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
-  base = os.path.join(_OUT_DIR.value, f"aot_{name}")
-  with open(base + ".json", "w", encoding="utf-8") as f:
-    json.dump(doc, f, indent=2)
-  text = _markdown(doc)
-  with open(base + ".md", "w", encoding="utf-8") as f:
-    f.write(text + "\n")
-  print(text)
-  print(f"written: {base}.json, {base}.md")
+  _write(os.path.join(_OUT_DIR.value, f"aot_{name}"), doc)
   failed = _failures(doc)
   if failed:
     print(f"does not fit or compile: {'; '.join(failed)}", file=sys.stderr)

@@ -60,6 +60,19 @@ _LATER_RUN_S = 45.0  # of --budget_s, kept for each run still to come
 RUNS = {"dp": {"mode": "dp"}, "decoupled_identity": {"mode": "decoupled", **IDENTITY},
         "decoupled": {"mode": "decoupled"}}
 
+
+def common_overrides(size: dict, steps: int, platform: str) -> dict:
+  """The config overrides every framework run of this benchmark shares: one learner of `size`."""
+  return {**size, "num_steps": steps, "eval_every": 0, "eval_batches": 2, "log_every": 25,
+          "inner.warmup_steps": min(40, steps // 4), "num_learners": 1,
+          # tiny_cpu's settings before the quality study (docs/studies.md, "Quality gap to dp")
+          # raised them for its 0.28M model.
+          "inner.learning_rate": 3e-3, "outer.momentum": 0.6,
+          "learner_mesh_shapes": "((1,1),)", "devices.platform": platform,
+          "devices.num_fake_cpu_devices": 2 if platform == "cpu" else 0,
+          "checkpoint.every_steps": 0}  # no checkpoint writes in the timed steps
+
+
 def flops_per_token(size: dict) -> float:
   """Training FLOPs per token, counted as the runtime counts them (lm/flops.py)."""
   shape = types.SimpleNamespace(vocab_size=256, **{
@@ -236,14 +249,7 @@ def main():
   platform = probe["platform"]
   size_name = args.size or ("34m" if platform == "cpu" else "200m")
   size, steps = SIZES[size_name], args.steps or DEFAULT_STEPS[size_name]
-  common = {**size, "num_steps": steps, "eval_every": 0, "eval_batches": 2, "log_every": 25,
-            "inner.warmup_steps": min(40, steps // 4), "num_learners": 1,
-            # tiny_cpu's settings before the quality study (docs/studies.md, "Quality gap to dp")
-            # raised them for its 0.28M model.
-            "inner.learning_rate": 3e-3, "outer.momentum": 0.6,
-            "learner_mesh_shapes": "((1,1),)", "devices.platform": platform,
-            "devices.num_fake_cpu_devices": 2 if platform == "cpu" else 0,
-            "checkpoint.every_steps": 0}  # no checkpoint writes in the timed steps
+  common = common_overrides(size, steps, platform)
   if args.attention:
     common["model.attention"] = args.attention
   for item in args.set:

@@ -31,6 +31,19 @@ def test_a_node_loss_names_a_learner_or_the_syncer():
   assert (syncer.kind, syncer.learner, syncer.step, syncer.second) == ("node_loss", None, None, 4.0)
 
 
+def test_a_syncer_crash_names_a_shard_or_crashes_every_shard():
+  one, every, host = chaos.parse_schedule(
+      "syncer_crash@shard=1,second=3,down_s=2;syncer_crash@second=4,down_s=1;"
+      "node_loss@syncer,shard=0,second=5", num_learners=4)
+  assert (one.kind, one.shard, one.second, one.down_s) == ("syncer_crash", 1, 3.0, 2.0)
+  assert every.shard is None  # as before shards existed: the whole syncer's state is lost
+  assert (host.kind, host.shard, host.learner) == ("node_loss", 0, None)
+  chaos.check_shards((one, every, host), num_shards=2)
+  with pytest.raises(ValueError, match=r"event 0 \('syncer_crash@shard=1,second=3,down_s=2'\): "
+                     r"shard=1 is out of range: config.syncer.num_shards=1 has shard\(s\) 0..0"):
+    chaos.check_shards((one, every, host), num_shards=1)
+
+
 def test_an_empty_schedule_has_no_faults():
   assert chaos.parse_schedule("", 2) == ()
   assert chaos.parse_schedule("  ", 2) == ()
@@ -56,10 +69,13 @@ def test_an_empty_schedule_has_no_faults():
     ("join@learner=0,step=3", "join takes no key 'step'"),
     ("syncer_crash@learner=0,second=1,down_s=1", "syncer_crash takes no key 'learner'"),
     ("syncer_crash@down_s=1", "syncer_crash needs second="),
+    ("syncer_crash@shard=-1,second=1,down_s=1", "shard=-1 must be >= 0"),
+    ("syncer_crash@shard=x,second=1,down_s=1", "shard='x' must be an integer"),
+    ("crash@learner=0,shard=1,step=1,down_s=1", "crash takes no key 'shard'"),
     ("corrupt_checkpoint@second=inf", "second=inf must be >= 0"),
     ("node_loss@step=3", "node_loss needs learner= (or syncer)"),
     ("node_loss@syncer", "node_loss@syncer needs second="),
-    ("node_loss@syncer,step=3", "node_loss takes no key 'step'; it takes second (or "
+    ("node_loss@syncer,step=3", "node_loss takes no key 'step'; it takes second, shard (or "
                                 "node_loss@syncer,second=T)"),
     ("node_loss@learner=0,step=1,down_s=2", "node_loss takes no key 'down_s'"),
 ])

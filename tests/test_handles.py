@@ -15,6 +15,7 @@ import pytest
 from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import learner_status
+from decoupled_diloco.runtime.core import sharded_syncer
 from decoupled_diloco.runtime.core import syncer as syncer_lib
 from decoupled_diloco.runtime.transport import ray_learner
 from decoupled_diloco.runtime.transport import ray_syncer
@@ -57,6 +58,7 @@ def _offered(klass: type) -> set[str]:
     (ray_learner.RemoteLearner, handles.LearnerProcessHandle),
     (syncer_lib.Syncer, handles.SyncerHandle),
     (ray_syncer.RemoteSyncer, handles.SyncerHandle),
+    (sharded_syncer.ShardedSyncer, handles.SyncerHandle),
 ], ids=lambda x: x.__name__)
 def test_each_kind_offers_every_member_its_protocol_names(klass, protocol):
   missing = sorted(_protocol_members(protocol) - _offered(klass))

@@ -19,6 +19,8 @@ from decoupled_diloco.runtime.transport import ray_syncer
 from decoupled_diloco.runtime import train
 from tests.conftest import act_when
 from tests.conftest import tiny_settings
+from tests.conftest import token_account_closes
+from tests.conftest import wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -171,6 +173,54 @@ def test_processes_killed_by_chaos_and_by_hand_are_restarted_and_training_goes_o
   accounting = summary["fragment_token_accounting"]
   assert accounting["made"] == sum(accounting[k] for k in (
       "merged", "discarded", "lost_at_failures", "unmerged_at_end"))
+
+
+@pytest.mark.slow  # 2 learner and 2 shard processes and a shard's restart: ~70 s on 2 cores
+def test_a_syncer_shard_killed_by_hand_is_restored_while_the_other_shard_merges_on(tmp_path):
+  """config.syncer.num_shards=2: each shard a process of its own. kill -9 of shard 1's process
+  mid-run, once it has a checkpoint of its own: Ray restarts it, and its keeper restores it from
+  that checkpoint, held until shard 0 (never touched) has merged twice more alone. The run
+  finishes, every merge is its fragment's owner's, and the token account closes."""
+  run = train.build(_settings(tmp_path, num_steps=48, syncer__num_shards=2,
+                              learner_step_delays_s=(0.2, 0.2), checkpoint__every_steps=16,
+                              checkpoint__syncer_every_s=0.2))
+  shards, keepers = run.syncer.shards, run.keeper.keepers
+  first_pids = [shard.pid for shard in shards]
+  assert len(set(first_pids + [l.pid for l in run.learners] + [os.getpid()])) == 5
+  own = tmp_path / "checkpoints" / "syncer_shard_1"
+  killed = {}
+
+  def kill_shard_1():
+    killed["step"], killed["merges_0"] = run.learners[0].step, shards[0].stats.merges
+    os.kill(first_pids[1], signal.SIGKILL)
+
+  restart = keepers[1]._restart  # pylint: disable=protected-access
+
+  def restart_once_shard_0_merged_on():
+    # (The keeper restores it on the controller's thread: shard 0 and the learners go on.)
+    assert wait_until(lambda: keepers[0].syncer.stats.merges >= killed["merges_0"] + 2, 120)
+    killed["merges_0_at_restart"] = keepers[0].syncer.stats.merges
+    restart()
+
+  keepers[1]._restart = restart_once_shard_0_merged_on  # pylint: disable=protected-access
+  killer = act_when(lambda: run.learners[0].step >= 8 and own.is_dir() and any(
+      d.name.isdigit() for d in own.iterdir()), kill_shard_1)
+  summary = train.execute(run, progress=False)
+  killer.join()
+  assert killed and killed["step"] < 40  # the learners had most of their steps ahead
+  assert killed["merges_0_at_restart"] >= killed["merges_0"] + 2
+  assert keepers[0].syncer.pid == first_pids[0] and keepers[1].syncer.pid != first_pids[1]
+  [fault] = summary["faults"]
+  assert fault["fault"] == "syncer_crash" and fault["shard"] == 1
+  assert "its process died" in fault["source"]
+  assert "/checkpoints/syncer_shard_1/" in fault["restored_from"]
+  assert summary["syncer_restarts"] == 1
+  owner = run.syncer.owner
+  assert all(r["shard"] == owner[r["fragment"]] for r in run.syncer.tape)
+  assert all(m > 0 for m in summary["merges_per_shard"])
+  assert summary["learner_steps"] == [48, 48] and summary["double_merged_offers"] == 0
+  assert summary["unmerged_steps_at_end"] == [0, 0]
+  token_account_closes(summary)
 
 
 def test_a_learner_process_given_up_after_max_restarts_leaves_the_run_to_finish_without_it(

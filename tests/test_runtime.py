@@ -262,6 +262,32 @@ def test_identity_outer_step_with_one_learner_tracks_dp_under_a_busy_syncer(tmp_
     np.testing.assert_allclose(learner[name], value, rtol=0, atol=0)
 
 
+def test_identity_outer_step_with_one_learner_tracks_dp_under_a_lagging_syncer(tmp_path):
+  """The lagging regime (issue 41): every merge holds the syncer's one worker for 3 learner steps
+  (config.syncer.merge_delay_steps), so each reaches the learner more than 3 steps after the
+  state it offered and, with a fragment due at every step, the merges fall behind and the dues
+  coalesce. The lag is counted on the syncer's clock, not in seconds: the same on an idle and a
+  loaded host. No step may be lost or merged twice, so the learner makes dp's steps: the same
+  loss at every step, and the final eval loss within the identity's bound of 0.1%."""
+  lag = 3
+  dp_run, dp = _run(tmp_path / "dp", mode="dp", **_ONE_LEARNER)
+  run, decoupled = _run(tmp_path / "decoupled", syncer__merge_delay_steps=lag, **_IDENTITY,
+                        **_ONE_LEARNER)
+  with open(tmp_path / "decoupled" / "tape.jsonl", encoding="utf-8") as f:
+    applied = [e for e in map(json.loads, f) if e["kind"] == "apply"]
+  # Steps the learner made on top of each merged offer before the merge reached it (the flush's
+  # merges, after its last step, excepted).
+  lags = [e["step"] - e["merged"] for e in applied if e["step"] < _ONE_LEARNER["num_steps"]]
+  assert len(lags) >= 2 and min(lags) > lag, lags
+  assert decoupled["due_while_in_flight"] > 0  # the syncer fell behind
+  assert decoupled["double_merged_offers"] == 0
+  assert decoupled["discarded_progress"] == [0.0]
+  # A lost fragment-step moves the next losses by far more than float32 rounding does.
+  np.testing.assert_allclose(run.learners[0].losses, dp_run.learners[0].losses, rtol=1e-5, atol=0)
+  assert decoupled["final_eval_loss"] == pytest.approx(dp["final_eval_loss"], rel=1e-3)
+  assert decoupled["unmerged_steps_at_end"] == [0]
+
+
 def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_left_out(tmp_path):
   """The flush merges every learner's last steps, whatever it last received,
   and every learner ends holding Theta (to float32 rounding: an offer anchored one version behind

@@ -70,6 +70,10 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("devices.platform", "ipu", "config.devices.platform='ipu'"),
     ("stall_timeout_s", 0.0, "config.stall_timeout_s=0.0"),
     ("syncer.num_workers", 0, "config.syncer.num_workers=0"),
+    ("syncer.merge_delay_steps", -1, "config.syncer.merge_delay_steps=-1 is invalid: must be >= 0"),
+    ("syncer.num_shards", 0, "config.syncer.num_shards=0 is invalid: must be >= 1"),
+    ("syncer.num_shards", 25, "config.syncer.num_shards=25 is invalid: must be between 1 and "
+     "config.sync.num_fragments=24: each shard owns at least one fragment"),
     ("model.attention", "flash", "config.model.attention='flash'"),
     ("donate_state", "yes", "config.donate_state='yes' is invalid: must be one of auto, always"),
     ("devices.tpu_topologies", ("v5p-8",), "entry 0 must be a topology name like 'v5p:4x4x4'"),
@@ -84,6 +88,17 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
 ])
 def test_bad_field_fails_with_its_name(field, value, needle):
   _assert_fails(field, value, needle)
+
+
+def test_only_the_decoupled_syncer_is_sharded_and_a_fault_names_a_shard_it_has():
+  assert settings.validate(_config(**{"syncer.num_shards": 3})).syncer.num_shards == 3
+  for mode in ("dp", "diloco", "streaming"):
+    with pytest.raises(ValueError, match=rf"config\.syncer\.num_shards=2 is invalid: must be 1 "
+                                         rf"with config\.mode='{mode}'"):
+      settings.validate(_config(mode=mode, **{"syncer.num_shards": 2}))
+  with pytest.raises(ValueError, match=r"shard=2 is out of range: config\.syncer\.num_shards=2"):
+    settings.validate(_config(**{"syncer.num_shards": 2,
+                                 "chaos.schedule": "syncer_crash@shard=2,second=1,down_s=1"}))
 
 
 def test_fake_slices_are_for_fake_cpu_devices_only():
@@ -102,6 +117,16 @@ def test_nesterov_delay_needs_the_nesterov_outer_optimizer():
   run = settings.validate(_config(**{"outer.nesterov_delay": 4,
                                      "outer.staleness_scaling": "inverse_sqrt"}))
   assert (run.outer.nesterov_delay, run.outer.staleness_scaling) == (4, "inverse_sqrt")
+
+
+def test_merge_delay_is_for_the_decoupled_syncer_only():
+  """Lock-step learners wait for each merge: a merge held for their next steps would never end."""
+  assert settings.validate(_config(**{"syncer.merge_delay_steps": 3})).syncer.merge_delay_steps == 3
+  with pytest.raises(ValueError, match=r"config\.syncer\.merge_delay_steps=3 is invalid: must be 0 "
+                                       r"with config\.mode='streaming'"):
+    settings.validate(_config(**{"syncer.merge_delay_steps": 3, "mode": "streaming"}))
+  dp = settings.validate(_config(**{"syncer.merge_delay_steps": 3, "mode": "dp"}))
+  assert dp.syncer.merge_delay_steps == 0  # no syncer
 
 
 def test_the_renamed_data_path_says_its_new_name_and_why():

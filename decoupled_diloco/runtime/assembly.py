@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import outer
+from decoupled_diloco.algorithm import shards as shards_lib
 from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
@@ -96,18 +97,26 @@ def make_learner(settings: settings_lib.RunSettings, index: int, *, train_step, 
       peer_repairing=peer_repairing, group=group, turns=turns)
 
 
+def shard_owners(settings: settings_lib.RunSettings,
+                 fragments: Sequence[fragments_lib.Fragment]) -> tuple[int, ...]:
+  """The shard of config.syncer.num_shards that owns each fragment, balanced by bytes."""
+  return shards_lib.assign([f.nbytes for f in fragments], settings.syncer.num_shards)
+
+
 def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=None,
-                      initial: dict[str, np.ndarray] | None = None, syncer_mesh=None
-                      ) -> syncer_lib.Syncer:
+                      initial: dict[str, np.ndarray] | None = None, syncer_mesh=None,
+                      shard: int | None = None) -> syncer_lib.Syncer:
   """A syncer at the initial Theta, compiled, in this process: the controller's (runtime=threads)
   or the syncer process's own (runtime=ray, which passes neither `initial` nor `syncer_mesh`:
-  it makes its mesh of this process's CPU devices and the initial parameters from the seed)."""
+  it makes its mesh of this process's CPU devices and the initial parameters from the seed).
+  `shard`: shard `shard` of a sharded syncer, over the fragments it owns (`shard_owners`)."""
   sync = settings.sync
   if initial is None or syncer_mesh is None:
     (init_mesh,), syncer_mesh = devices_lib.build_meshes(
         ((1, 1),), settings.syncer.num_devices, "cpu")
     _, initial = initial_params(settings, init_mesh)
   fragments = make_fragments(settings)
+  owned = None if shard is None else shards_lib.owned(shard_owners(settings, fragments), shard)
   layout = model_lib.param_layout(settings.model)
   made = syncer_lib.Syncer(
       sync=sync, fragments=fragments, mesh=syncer_mesh,
@@ -118,10 +127,11 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
       staleness_scaling=settings.outer.staleness_scaling,
       merge=settings.merge, compression=settings.compression,
       num_learners=settings.num_learners, num_workers=settings.syncer.num_workers,
-      metrics=metrics, network=network,
+      merge_delay_steps=settings.syncer.merge_delay_steps, metrics=metrics, network=network,
       # The robust merge judges outer-gradient norms per unit of the learners' learning rate.
       inner_learning_rates=inner.learning_rates(settings.inner, settings.num_steps),
-      learners_sharing_devices=settings.devices.learners_sharing_devices)
+      learners_sharing_devices=settings.devices.learners_sharing_devices,
+      owned=owned, shard=shard)
   made.compile()
   return made
 

@@ -26,6 +26,7 @@ from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime import assembly
 from decoupled_diloco.runtime.control import job_restart
 from decoupled_diloco.runtime.control import run as run_lib
+from decoupled_diloco.runtime.control import shard_keeper
 from decoupled_diloco.runtime.control import slice_watch as slice_watch_lib
 from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
@@ -132,7 +133,8 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
         settings.learner_mesh_shapes, settings.syncer.num_devices, settings.devices.platform,
         settings.devices.learners_sharing_devices,
         fake_slice_size=settings.devices.fake_slice_size,
-        tpu_topologies=settings.devices.tpu_topologies, one_job=settings.mode == "dp")
+        tpu_topologies=settings.devices.tpu_topologies, one_job=settings.mode == "dp",
+        syncer_shards=settings.syncer.num_shards)
   if settings.devices.platform == "tpu" and not in_processes:
     # Before the model is built: its remat policy is part of its program.
     settings, _ = assembly.resolve_remat(
@@ -185,15 +187,26 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
                                   "revision": revision.current()})
   syncer, port = None, None
   transport.start(settings)
+  # config.syncer.num_shards > 1: each shard on devices of its own (with learner processes, in a
+  # process of its own that makes its own mesh).
+  num_shards = settings.syncer.num_shards
+  shard_meshes = (devices_lib.shard_meshes(syncer_mesh, num_shards)
+                  if num_shards > 1 and not in_processes else [syncer_mesh] * num_shards)
 
-  def make_syncer(crashed=None):
-    """A syncer at the initial Theta, compiled (at start-up, and again after `crashed` crashed)."""
-    return transport.make_syncer(settings, crashed, metrics=metrics, network=network,
-                                 initial=initial, syncer_mesh=syncer_mesh)
+  def make_syncer(crashed=None, shard=None):
+    """A syncer (shard `shard` of a sharded one) at the initial Theta, compiled (at start-up,
+    and again after `crashed` crashed)."""
+    return transport.make_syncer(
+        settings, crashed, metrics=metrics, network=network, initial=initial,
+        syncer_mesh=syncer_mesh if shard is None else shard_meshes[shard], shard=shard)
 
-  if sync is not None:
+  if sync is not None and num_shards > 1:
+    syncer, port = shard_keeper.build_shards(lambda shard: make_syncer(shard=shard),
+                                             assembly.shard_owners(settings, fragments), network)
+  elif sync is not None:
     syncer = make_syncer()
     port = keeper_lib.SyncerPort(syncer, network)
+  if syncer is not None:
     compile_seconds["syncer_compile_s"] = syncer.compile_seconds
     if restored is not None:
       syncer.load_state(restored.cut.syncer, with_history=True)
@@ -228,11 +241,17 @@ def build_run(settings: settings_lib.RunSettings, transport: run_lib.Transport, 
   repaired_at = transport.repaired_at(
       injector.repaired_at if injector is not None else lambda _: 0.0, learners)
   if syncer is not None and not sync.lock_step:
-    keeper = keeper_lib.SyncerKeeper(
-        syncer=syncer, port=port, make_syncer=make_syncer, learners=learners,
-        checkpoints=saver if settings.checkpoint.every_steps else None,
-        every_s=settings.checkpoint.syncer_every_s,
-        faults=injector.syncer_faults if injector is not None else (), metrics=metrics)
+    keeping = dict(learners=learners,
+                   checkpoints=saver if settings.checkpoint.every_steps else None,
+                   every_s=settings.checkpoint.syncer_every_s, metrics=metrics,
+                   faults=injector.syncer_faults if injector is not None else ())
+    if num_shards > 1:  # a keeper per shard, each restoring its shard alone
+      keeper = shard_keeper.ShardedKeeper.for_shards(
+          syncer=syncer, port=port, make_syncer=lambda crashed, i: make_syncer(crashed, shard=i),
+          **keeping)
+    else:
+      keeper = keeper_lib.SyncerKeeper(syncer=syncer, port=port, make_syncer=make_syncer,
+                                       **keeping)
   if syncer is not None:
     # Lock-step modes restart a failed learner the same way; their barrier waits for it (or, with
     # config.sync.elastic_lock_step, merges without it until it is back: syncer.py).

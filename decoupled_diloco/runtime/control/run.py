@@ -44,9 +44,10 @@ class Transport(Protocol):
     """Once the workdir is written to: what the learners and the syncer need to start."""
 
   def make_syncer(self, settings: settings_lib.RunSettings, crashed, *, metrics, network,
-                  initial: dict[str, Any], syncer_mesh) -> Any:
+                  initial: dict[str, Any], syncer_mesh, shard: int | None = None) -> Any:
     """A syncer at the initial Theta, compiled: at start-up (`crashed` None), and again after
-    `crashed` crashed."""
+    `crashed` crashed. `shard`: shard `shard` of a sharded syncer (config.syncer.num_shards),
+    over `syncer_mesh`, its own devices."""
 
   def start_learners(self, settings: settings_lib.RunSettings, built, *, syncer, port, metrics,
                      layout, fragments, cuts: dict[int, Any], held_back: Sequence[int],

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from decoupled_diloco.algorithm import shards as shards_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.runtime.control import run as run_lib
@@ -80,6 +81,7 @@ def run_summary(run: run_lib.Run, evals, train_seconds: float, wall_seconds: flo
       "rounds_without_quorum": stats.rounds_without_quorum,
       "empty_rounds": stats.empty_rounds,
       "due_while_in_flight": stats.due_while_in_flight,
+      **_shard_summary(run),
       # From the merge tape, not assumed: steps no merge took in, and steps merged twice.
       "unmerged_steps_at_end": tape_lib.unmerged_steps_at_end(
           tape, final_steps, num_fragments, [l.incarnation for l in learners],
@@ -120,6 +122,22 @@ def run_summary(run: run_lib.Run, evals, train_seconds: float, wall_seconds: flo
   else:
     summary.update(_job_restart_summary(run, tokens_per_step[0]))
   return summary
+
+
+def _shard_summary(run: run_lib.Run) -> dict[str, Any]:
+  """Per shard of the syncer (config.syncer.num_shards; one entry for a syncer not sharded): the
+  fragments it owns and their bytes, its merges, and the seconds its merge workers were busy
+  (screening, merging, encoding). Nothing in dp mode, which has no syncer."""
+  if run.syncer is None:
+    return {}
+  num_shards = run.settings.syncer.num_shards
+  nbytes = [f.nbytes for f in run.fragments]
+  owner = shards_lib.assign(nbytes, num_shards)
+  stats = run.syncer.shard_stats
+  return {"syncer_shard_fragments": [list(shards_lib.owned(owner, i)) for i in range(num_shards)],
+          "syncer_shard_bytes": shards_lib.loads(owner, nbytes, num_shards),
+          "merges_per_shard": [s.merges for s in stats],
+          "syncer_busy_seconds_per_shard": [round(s.busy_s, 3) for s in stats]}
 
 
 def params_hashes(run: run_lib.Run) -> dict[str, Any]:

@@ -12,6 +12,9 @@ since the last checkpoint, never a merge a learner received. Versions stay monot
 Before it reads the learners' anchors the new syncer waits until every live learner has published a
 state after the crash (bounded): whatever the old syncer delivered to their inboxes is then applied
 and shows in their publications.
+
+A sharded syncer has one keeper per shard (`shard_keeper.py`), each saving, crashing and restoring
+its own shard (`shard`) from that shard's own checkpoints while the other shards merge on.
 """
 
 from __future__ import annotations
@@ -67,8 +70,12 @@ class SyncerKeeper:
                learners: list[handles.LearnerHandle],
                checkpoints: checkpoints_lib.Checkpoints | None, every_s: float,
                faults: Sequence[chaos.Fault], metrics: metrics_lib.MetricsWriter | None = None,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic, shard: int | None = None):
+    """`shard`: the shard of a sharded syncer this keeper keeps (its checkpoints are its own);
+    None: the syncer is not sharded."""
     self.syncer = syncer  # the current one (while down: the crashed one, stopped)
+    self.shard = shard
+    self._name = "the syncer" if shard is None else f"syncer shard {shard}"
     self._port = port
     self._make_syncer = make_syncer
     self._learners = learners
@@ -120,7 +127,7 @@ class SyncerKeeper:
       except handles.SyncerGone as err:
         # runtime=ray: the restarted process died too (another fault, its host lost): Ray
         # restarts it again; so does this, a moment later.
-        logging.warning("the syncer's restart failed (%s); trying again", err)
+        logging.warning("%s: its restart failed (%s); trying again", self._name, err)
         self._port.connect(None)
         self._down["restart_at"] = self._clock() + 1.0
 
@@ -132,7 +139,7 @@ class SyncerKeeper:
         state = self._pending_state.result()
         self._pending_state = None
         if state is not None:  # None: the syncer's process died before it answered (runtime=ray)
-          self._checkpoints.save_syncer(self.syncer.stats.merges, state)
+          self._checkpoints.save_syncer(self.syncer.stats.merges, state, shard=self.shard)
       return
     if now - self._last_save >= self._every_s:
       self._last_save = now
@@ -149,11 +156,13 @@ class SyncerKeeper:
     self._pending_state = None
     record = {"fault": kind, "learner": None, "step": None,
               "at_s": self._elapsed(now), "source": source, "down_s": round(down_s, 3)}
+    if self.shard is not None:
+      record["shard"] = self.shard
     self.fault_records.append(record)
     if self._metrics is not None:
       self._metrics.write("fault", record)
-    logging.warning("fault: the syncer crashed at %.1f s (%s); the learners train on", record["at_s"],
-                    source)
+    logging.warning("fault: %s crashed at %.1f s (%s); the learners train on", self._name,
+                    record["at_s"], source)
     self._down = {"record": record, "crashed_at": now, "restart_at": now + down_s,
                   "steps": {l.index: l.published.step for l in self._learners if l.alive},
                   "dropped_before": self._port.dropped}
@@ -175,7 +184,7 @@ class SyncerKeeper:
     restored, source = None, "the initial Theta (no syncer checkpoint)"
     if self._checkpoints is not None:
       self._checkpoints.wait()
-      found = self._checkpoints.restore_syncer()
+      found = self._checkpoints.restore_syncer(shard=self.shard)
       if found is not None:
         restored, source = found.cut.syncer, found.path
     self._port.connect(syncer)  # posts queue in its inbox until it starts
@@ -200,6 +209,6 @@ class SyncerKeeper:
     self._last_save = back
     if self._metrics is not None:
       self._metrics.write("syncer_restart", record)
-    logging.info("the syncer is back at %.1f s from %s; %d fragment(s) took a newer Theta_p from "
-                 "the learners", record["back_at_s"], source,
+    logging.info("%s is back at %.1f s from %s; %d fragment(s) took a newer Theta_p from the "
+                 "learners", self._name, record["back_at_s"], source,
                  len(info["fragments_from_learners"]))

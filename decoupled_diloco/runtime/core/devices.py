@@ -99,6 +99,7 @@ def build_meshes(
     fake_slice_size: int = 0,
     tpu_topologies: tuple[str, ...] = (),
     one_job: bool = False,
+    syncer_shards: int = 1,
 ) -> tuple[list[Mesh], Mesh | None]:
   """Partitions the devices into learner meshes (data, fsdp, model) and a syncer mesh (learner,).
 
@@ -109,9 +110,12 @@ def build_meshes(
   span (dp mode's one synchronous job, whose all-reduce is what it costs; a learner process of
   the Ray runtime, whose jax.distributed job is its slice). The syncer takes the CPU devices no
   learner holds (a CPU-only run) or the first CPU devices (on TPU / GPU, where the host CPUs are
-  separate from the accelerators).
+  separate from the accelerators). A sharded syncer (`syncer_shards`) gets `syncer_devices` per
+  shard, all in one mesh that `shard_meshes` divides.
   """
   devices = platform_devices(platform)
+  syncer_devices *= syncer_shards
+  per_shard = (f" x config.syncer.num_shards={syncer_shards}" if syncer_shards > 1 else "")
   sharing = learners_sharing_devices
   needed = sum(math.prod(shape) for shape in learner_mesh_shapes[::sharing])
   cpu_shared = platform == "cpu"
@@ -121,8 +125,9 @@ def build_meshes(
               if sharing > 1 else "")
     raise errors.InputError(
         f"config.learner_mesh_shapes={learner_mesh_shapes}{shared} (+ config.syncer.num_devices="
-        f"{syncer_devices} on CPU) need {total_needed} {platform} devices but only {len(devices)} "
-        f"exist; raise config.devices.num_fake_cpu_devices or shrink the meshes")
+        f"{syncer_devices // syncer_shards}{per_shard} on CPU) need {total_needed} {platform} "
+        f"devices but only {len(devices)} exist; raise config.devices.num_fake_cpu_devices or "
+        f"shrink the meshes")
   slice_list = slices_lib.group_slices(devices, fake_slice_size if cpu_shared else 0)
   if one_job:
     (shape,) = learner_mesh_shapes
@@ -149,11 +154,20 @@ def build_meshes(
       cpus = _host_cpus(syncer_devices)
       if syncer_devices > len(cpus):
         raise errors.InputError(
-            f"config.syncer.num_devices={syncer_devices} but this host has {len(cpus)} CPU "
-            f"devices; lower it or raise config.devices.num_fake_cpu_devices")
+            f"config.syncer.num_devices={syncer_devices // syncer_shards}{per_shard} needs "
+            f"{syncer_devices} CPU devices but this host has {len(cpus)}; lower it or raise "
+            f"config.devices.num_fake_cpu_devices")
       syncer_chunk = cpus[:syncer_devices]
     syncer_mesh = Mesh(np.array(syncer_chunk), (SYNCER_AXIS,))
   return learner_meshes, syncer_mesh
+
+
+def shard_meshes(syncer_mesh: Mesh, num_shards: int) -> list[Mesh]:
+  """A sharded syncer's mesh divided into one mesh per shard, each over devices of its own."""
+  devices = list(syncer_mesh.devices.flat)
+  size = len(devices) // num_shards
+  return [Mesh(np.array(devices[i * size:(i + 1) * size]), (SYNCER_AXIS,))
+          for i in range(num_shards)]
 
 
 def placed_mesh(placement: slices_lib.Placement, shape: tuple[int, ...]) -> Mesh:

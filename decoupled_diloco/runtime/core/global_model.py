@@ -33,6 +33,10 @@ base version gets a keyframe (`keyframe`, R_p itself in the `broadcast` format, 
 does everyone after the syncer restored its state (`require_keyframes`), since R_p is not
 checkpointed: a restored Theta_p is not what the learners hold.
 
+A shard of a sharded syncer (`owned`: the fragments it owns, `algorithm/shards.py`) holds Theta_p,
+the outer state and the rest of its own fragments only; fragments stay numbered 0..P-1, and the
+others are empty here (no tensors, version 0), never merged, broadcast or checkpointed by it.
+
 Memory (`steady_state_bytes`): 4 bytes per parameter for Theta plus 4 per parameter per outer
 optimizer slot (1 for SGD with momentum, 2 for Adam or Delayed Nesterov, 0 for plain SGD), plus the
 optimizer's scalar leaves, plus, with the delta broadcast only, 4 per parameter for R_p, plus, with
@@ -141,12 +145,15 @@ class GlobalModel:
                outer_tx: optax.GradientTransformation, merge: settings_lib.MergeSettings,
                compression: settings_lib.CompressionSettings, num_learners: int,
                inner_learning_rates: Sequence[float] | np.ndarray | None = None,
-               staleness_scaling: str = "none", fused: bool = True):
-    """`inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
+               staleness_scaling: str = "none", fused: bool = True,
+               owned: Sequence[int] | None = None):
+    """`owned`: the fragments this model holds (a shard's, `algorithm/shards.py`); None: all of
+    them. `inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
     norms per unit of it); None judges them per step. `staleness_scaling`:
     `config.outer.staleness_scaling` (`merge.STALENESS_SCALINGS`). `fused=False` keeps the
     per-tensor programs over numpy-encoded outer gradients (see the module docstring)."""
     self.fragments = tuple(fragments)
+    self.owned = tuple(range(len(self.fragments))) if owned is None else tuple(sorted(owned))
     self.mesh = mesh
     self._merge = merge
     self._compression = compression
@@ -160,8 +167,10 @@ class GlobalModel:
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._by_learner = NamedSharding(mesh, PartitionSpec(devices_lib.SYNCER_AXIS))
     self._lock = threading.Lock()  # params() is read from other threads than install()
+    # A fragment another shard owns holds no tensor here (an empty dict): every loop over the
+    # fragments' tensors below passes over it.
     self._theta = [{n: np.asarray(initial_params[n], np.float32) for n in f.names}
-                   for f in self.fragments]
+                   if f.index in self.owned else {} for f in self.fragments]
     self._versions = [0] * len(self.fragments)
     # The delta broadcast: R_p per fragment (what the learners hold; the initial Theta_p at version
     # 0, which every learner starts from), and whether its next broadcast must be a keyframe.
@@ -169,7 +178,8 @@ class GlobalModel:
     self._received = [dict(theta) for theta in self._theta] if self._delta else None
     self._keyframe_due = [False] * len(self.fragments)
     self._keep_history = merge.anchor == "syncer"
-    self._history = [{0: dict(theta)} if self._keep_history else {} for theta in self._theta]
+    self._history = [{0: dict(theta)} if self._keep_history and p in self.owned else {}
+                     for p, theta in enumerate(self._theta)]
     self._opt_states = [{n: jax.device_put(self._tx.init(v), self._replicated)
                          for n, v in theta.items()} for theta in self._theta]
     self._num_learners = num_learners
@@ -209,12 +219,13 @@ class GlobalModel:
   def compile(self) -> float:
     """Compiles one merge program per tensor shape ahead of time; returns the seconds it took."""
     start = time.perf_counter()
+    owned = [self.fragments[p] for p in self.owned]
     if self._fused is not None:
-      for fragment in self.fragments:
+      for fragment in owned:
         self._fused.compile(self._theta[fragment.index], self._opt_states[fragment.index],
                             fragment.embedding_names)
       return time.perf_counter() - start
-    for fragment in self.fragments:
+    for fragment in owned:
       for name in fragment.names:
         key = self._program_key(fragment, name)
         if key in self._programs:
@@ -478,10 +489,11 @@ class GlobalModel:
     """Theta as the learners received it (through the broadcast format) and its versions.
 
     Each fragment is read with its version under the lock; fragments may be read a merge apart,
-    which a joining learner's `_Attach` makes good (the syncer sends it whatever is newer).
+    which a joining learner's `_Attach` makes good (the syncer sends it whatever is newer). A
+    shard's: its own fragments' tensors, and version 0 of the others.
     """
     thetas, versions = [], np.zeros(len(self.fragments), np.int64)
-    for p in range(len(self.fragments)):
+    for p in self.owned:
       versions[p], wire = self.wire(p)
       thetas.append(compression_lib.decode_tree(wire))
     return {name: value for theta in thetas for name, value in theta.items()}, versions
@@ -531,7 +543,7 @@ class GlobalModel:
         self._versions[p] = int(values["versions"][p])
         if self._delta:
           self._received[p] = dict(theta)
-        if self._keep_history:
+        if self._keep_history and p in self.owned:
           self._history[p] = {self._versions[p]: dict(theta)}
     self.require_keyframes()  # R_p is not in the checkpoint
     for p, window in enumerate(values.get("norm_windows_per_lr", ())):

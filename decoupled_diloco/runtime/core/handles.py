@@ -182,7 +182,7 @@ class LearnerProcessHandle(LearnerHandle, Protocol):
 @runtime_checkable
 class SyncerHandle(Protocol):
   """The syncer as the controller, the keeper, the checkpoints and the summary read it (`Syncer`,
-  `RemoteSyncer`)."""
+  `RemoteSyncer`, and the shards of a sharded one as one: `sharded_syncer.ShardedSyncer`)."""
 
   model: ReceivedModel
   stats: Any  # syncer.SyncerStats
@@ -193,6 +193,11 @@ class SyncerHandle(Protocol):
   @property
   def process_died(self) -> bool:
     """Its process died unplanned (the keeper then restores it); False for one in this process."""
+    ...
+
+  @property
+  def shard_stats(self) -> list[Any]:
+    """Each shard's `stats` (config.syncer.num_shards); one syncer's is one shard's."""
     ...
 
   def compile(self) -> None:
@@ -217,7 +222,10 @@ class SyncerHandle(Protocol):
   def flush(self, timeout: float | None = None) -> bool:
     ...
 
-  def request_cut(self, timeout_s: float, include_tape: bool = True) -> Any:
+  def request_cut(self, timeout_s: float, include_tape: bool = True, hold: str = "") -> Any:
+    ...
+
+  def release_cut(self, hold: str) -> None:
     ...
 
   def request_state(self) -> Any:

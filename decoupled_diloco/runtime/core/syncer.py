@@ -47,6 +47,11 @@ broadcast that includes R_p, one more copy of the parameters), plus the host cop
 of the offers in open rounds (at most one per live learner per open round). Nothing grows with the
 number of steps.
 
+Sharded (config.syncer.num_shards > 1, `runtime/core/sharded_syncer.py`): each shard is one of
+these over the fragments it owns (`owned`, `algorithm/shards.py`), with their Theta_p, outer states,
+rounds, merges and checkpoint; it hears every learner's reports, and opens, merges and broadcasts
+rounds of its own fragments only. Fragments keep their numbers 0..P-1 everywhere.
+
 The syncer is one class in five files, each a part of it over the same state, on the same thread:
 this one (set-up, the controller's calls, the inbox), `syncer_rounds.py` (rounds, quorum, grace,
 the flush), `syncer_merge.py` (the merge worker; install, broadcast, record),
@@ -72,6 +77,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import network as network_lib
@@ -94,6 +100,11 @@ class _Attach:
   step: int
   incarnation: int
   anchor_versions: np.ndarray | None  # the Theta_p versions it starts from; None = all at 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Release:
+  hold: str  # release_cut(): the held cut of this token ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +134,12 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       learners_sharing_devices: int = 1,
       clock: Callable[[], float] = time.monotonic,
       staleness_scaling: str = "none",
+      merge_delay_steps: int = 0,
+      owned: Sequence[int] | None = None,
+      shard: int | None = None,
   ):
+    """`owned`: the fragments this syncer merges (a shard's); None: all. `shard`: its number
+    among the shards (None: the syncer is not sharded), named in its records."""
     # Seconds for the quorum and grace deadlines, heartbeats and timings on the tape. A test may
     # drive it by hand, so that a deadline falls where the test says, not where the host's load
     # puts it.
@@ -137,7 +153,10 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self.model = global_model_lib.GlobalModel(
         fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
         merge=merge, compression=compression, num_learners=num_learners,
-        inner_learning_rates=inner_learning_rates, staleness_scaling=staleness_scaling)
+        inner_learning_rates=inner_learning_rates, staleness_scaling=staleness_scaling,
+        owned=owned)
+    self.shard = shard
+    self._owns = frozenset(self.model.owned)  # due fragments this syncer opens rounds of
     self._lock = threading.Lock()  # guards _live against the controller's reads
     self._learners: dict[int, LearnerLink] = {}
     self._incarnations: dict[int, int] = {}
@@ -161,6 +180,8 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._lead: int | None = 0  # step of the fastest learner still training
     self._grace = grace_lib.GraceEstimator(sync.ema_decay)
     self._workers = concurrent.futures.ThreadPoolExecutor(num_workers, "syncer-merge")
+    # config.syncer.merge_delay_steps: each merge holds its worker for that many steps of the clock.
+    self._merge_hold = merge_hold.MergeHold(merge_delay_steps)
     self._cut: syncer_state.CutRequest | None = None
     # After a restart: per fragment, the version an offer's anchor must have reached (the learner
     # has applied every merge this syncer knows of, including those its predecessor made after
@@ -173,7 +194,8 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self.tape: list[dict[str, Any]] = []  # every merge decision, in order (docs/design.md §6)
     self.error: BaseException | None = None
     self.compile_seconds = 0.0
-    self._thread = threading.Thread(target=self._run, name="syncer", daemon=True)
+    self._thread = threading.Thread(
+        target=self._run, name="syncer" if shard is None else f"syncer-shard-{shard}", daemon=True)
 
   # ---- set-up and control (controller thread) -------------------------------------------------
 
@@ -203,6 +225,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
   def stop(self) -> None:
     self._stop.set()
     self._inbox.put(None)
+    self._merge_hold.moved()  # a held merge ends: nothing will move the clock any more
 
   def join(self, timeout: float | None = None) -> None:
     self._thread.join(timeout)
@@ -219,6 +242,11 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     """A syncer in the command's process has no process of its own to lose (its failures are
     its `error`)."""
     return False
+
+  @property
+  def shard_stats(self) -> list[SyncerStats]:
+    """Its counters as the one shard it is (a shard of a sharded syncer: its own)."""
+    return [self.stats]
 
   def post(self, message: Any) -> None:
     """Learners call this; it only enqueues."""
@@ -237,7 +265,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       raise RuntimeError(f"the syncer failed: {self.error!r}") from self.error
     return done
 
-  def request_cut(self, timeout_s: float, include_tape: bool = True
+  def request_cut(self, timeout_s: float, include_tape: bool = True, hold: str = ""
                   ) -> concurrent.futures.Future:
     """Asks for a consistent cut of the syncer and the live learners (a checkpoint's content).
 
@@ -252,10 +280,20 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
 
     The future's result is a `SyncerCut`, or None if no such instant came within `timeout_s` (a
     hung learner): the caller tries again later.
+
+    `hold` (a shard of a sharded syncer; a token naming the request): after its cut the syncer
+    opens no round until `release_cut(hold)` (or `timeout_s` more), so that its fragments'
+    versions stay those of its cut while the other shards take theirs (`sharded_syncer.py`); a
+    release before the cut came withdraws the request.
     """
     future: concurrent.futures.Future = concurrent.futures.Future()
-    self._inbox.put(syncer_state.CutRequest(future, timeout_s, include_tape))
+    self._inbox.put(syncer_state.CutRequest(future, timeout_s, include_tape, hold=hold))
     return future
+
+  def release_cut(self, hold: str) -> None:
+    """Ends the hold of the cut asked for with this `hold` token (not a later one's): rounds open
+    again."""
+    self._inbox.put(_Release(hold))
 
   def request_state(self) -> concurrent.futures.Future:
     """The syncer's `state()` as read on its own thread (a syncer checkpoint's content)."""
@@ -293,6 +331,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     try:
       while not self._stop.is_set():
         self._receive(self._wait_timeout())
+        self._merge_hold.moved()  # the clock, the training learners or the flush may have moved
         self._check_heartbeats()
         self._poll_rounds()
         self._collect_landed_offers()
@@ -303,7 +342,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       self.error = err
       logging.exception("syncer failed")
       self._flush_done.set()
-      if self._cut is not None:
+      if self._cut is not None and not self._cut.future.done():
         self._cut.future.set_result(None)
 
   def _receive(self, timeout: float) -> None:
@@ -326,9 +365,15 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     if isinstance(message, syncer_state.StateRequest):
       message.future.set_result(self.state())
       return
+    if isinstance(message, _Release):
+      if self._cut is not None and self._cut.hold and self._cut.hold == message.hold:
+        if not self._cut.future.done():  # released before its cut came: not wanted any more
+          self._cut.future.set_result(None)
+        self._end_cut()
+      return
     if message is _CATCH_UP:
       if self._flush_state == "none":
-        for p in range(len(self.model.fragments)):
+        for p in self.model.owned:
           if p in self._rounds or p in self._merging:
             continue
           if self._cut is not None:
@@ -337,7 +382,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
             self._open_round(p, self._clock)
       return
     if isinstance(message, syncer_state.CutRequest):
-      if self._cut is not None:
+      if self._cut is not None and not self._cut.future.done():  # (a held one is done)
         self._cut.future.set_result(None)  # superseded
       message.asked_at = self._now()
       self._cut = message
@@ -392,7 +437,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
 
   def _from_earlier_incarnation(self, message: Any) -> bool:
     """Whether a learner's message comes from an incarnation that has been replaced: ignored."""
-    if (isinstance(message, (_Attach, syncer_rounds.MergeDone, _GiveUp))
+    if (isinstance(message, (_Attach, syncer_rounds.MergeDone, _GiveUp, _Release))
         or not hasattr(message, "incarnation")):
       return False
     if message.incarnation >= self._incarnations.get(message.learner, 0):
@@ -416,7 +461,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     if restarted:
       # Its steps count again from `step` (a peer's): records of the earlier incarnation go.
       self._drop_offers_of(m)
-      for p in range(len(self.model.fragments)):
+      for p in self.model.owned:
         self._merged_through[(m, p)] = message.step
       self._awaited.discard(m)
       if self._sync.lock_step:
@@ -426,7 +471,8 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
           round_.answered.add(m)
     if message.anchor_versions is not None:
       self._reported_anchors[m] = np.asarray(message.anchor_versions)
-      for p, held in enumerate(message.anchor_versions):
+      for p in self.model.owned:
+        held = message.anchor_versions[p]
         version, wire = self.model.wire(p)
         if version > held:
           message.link.deliver(messages.Broadcast(p, version, wire))

@@ -43,6 +43,7 @@ class SyncerHeartbeats:
   _absent: set[int]
   _last_report_at: dict[int, float]
   _absent_at: dict[int, float]
+  shard: int | None
   _learner_steps: dict[int, int]
   _reported_anchors: dict[int, np.ndarray]
   _rounds: dict[int, syncer_rounds.Round]
@@ -83,6 +84,8 @@ class SyncerHeartbeats:
               "step": self._learner_steps.get(m, 0),
               "silent_s": round(now - self._last_report_at.get(m, now), 3),
               "timeout_s": round(timeout_s, 3)}
+    if self.shard is not None:
+      record["shard"] = self.shard  # each shard of a sharded syncer hears every learner
     logging.warning("syncer: learner %d has not reported for %.2f s (timeout %.2f s, "
                     "config.sync.heartbeat_timeout_s): absent, merging without it", m,
                     record["silent_s"], timeout_s)
@@ -96,7 +99,7 @@ class SyncerHeartbeats:
     self.stats.returns += 1
     held = self._reported_anchors.get(m)
     sent, nbytes = [], 0
-    for p in range(len(self.model.fragments)):
+    for p in self.model.owned:
       if held is not None and self.model.version(p) <= held[p]:
         continue
       version, wire = self.model.wire(p)
@@ -112,6 +115,8 @@ class SyncerHeartbeats:
               "step": self._learner_steps.get(m, 0),
               "absent_s": round(now - self._absent_at.pop(m, now), 3), "fragments_sent": sent,
               "bytes_sent": nbytes}
+    if self.shard is not None:
+      record["shard"] = self.shard
     logging.info("syncer: learner %d reports again at step %d: taken back, sent %d newer "
                  "fragment(s)", m, record["step"], len(sent))
     if self._metrics is not None:

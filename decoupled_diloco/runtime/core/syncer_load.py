@@ -10,7 +10,9 @@ and in CPU seconds (on a shared host the wall clock includes other jobs' turns).
 costs in proportion to its parameters times its learners (every step of it is elementwise over
 the stacked outer gradients), so the others, the embedding's included, are scaled from it (the
 embedding's plain average costs less than RDA: an upper bound there). A worker per core is
-assumed: `syncer.num_workers` >= the merge CPU seconds falling due per second.
+assumed: `syncer.num_workers` >= the merge CPU seconds falling due per second. Sharded
+(`config.syncer.num_shards`), each shard owns the fragments `algorithm/shards.py` gives it, balanced
+by bytes, and needs the cores of its own fragments' merges: `shard_cores`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jax.sharding import Mesh
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
+from decoupled_diloco.algorithm import shards as shards_lib
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
@@ -78,6 +81,21 @@ class SyncerLoad:
   @property
   def largest_merge_s(self) -> float:
     return self.merge_s(max(self.fragment_params))
+
+  @property
+  def keeps_each_fragment_fresh(self) -> bool:
+    """Whether one core merges the largest fragment within its period: a fragment's merges run
+    one after another, so more cores cannot hide a merge longer than H steps."""
+    return self.largest_merge_s <= self.period * self.step_s
+
+  def shard_cores(self, num_shards: int) -> list[int]:
+    """Cores each of `num_shards` shards needs for the merges of the fragments it owns (owners as
+    the run assigns them: by bytes, and every fragment's bytes are its parameters')."""
+    owner = shards_lib.assign(self.fragment_params, num_shards)
+    busy = [0.0] * num_shards
+    for p, shard in enumerate(owner):
+      busy[shard] += self.merge_s(self.fragment_params[p]) / (self.period * self.step_s)
+    return [max(1, math.ceil(b)) for b in busy]
 
 
 def fragments(settings: settings_lib.RunSettings) -> tuple[fragments_lib.Fragment, ...]:

@@ -27,6 +27,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import syncer_rounds
@@ -51,9 +52,14 @@ class SyncerMerges:
   _rounds: dict[int, syncer_rounds.Round]
   _merging: set[int]
   _clock: int
+  _training: set[int]
+  _flush_state: str
+  _stop: threading.Event
+  _merge_hold: merge_hold.MergeHold
   _grace: grace_lib.GraceEstimator
   stats: syncer_rounds.SyncerStats
   tape: list[dict[str, Any]]
+  shard: int | None
 
   def _held_version(self, m: int, p: int) -> int:
     """The version of Theta_p learner m's last report (or its attach) says it holds; 0 before.
@@ -73,8 +79,20 @@ class SyncerMerges:
     return dataclasses.replace(broadcast, merged_offers={**broadcast.merged_offers, m: merged})
 
   def _merge_on_worker(self, p: int, offers: tuple[messages.Offer, ...]):
-    """(when a worker took the merge up, on the syncer's clock, and `_compute_merge`'s result)."""
-    return self._now(), self._compute_merge(p, offers)
+    """(when a worker took the merge up and when it was done, on the syncer's clock, and
+    `_compute_merge`'s result).
+
+    With config.syncer.merge_delay_steps the worker first holds the merge for that many learner
+    steps (`merge_hold.py`): the time a slower syncer would take, counted as its queue time."""
+    self._merge_hold.wait(max(o.step for o in offers), lambda: self._clock,
+                          self._merges_released)
+    started = self._now()
+    result = self._compute_merge(p, offers)
+    return started, self._now(), result
+
+  def _merges_released(self) -> bool:
+    """Read on a worker: the clock will not move again, so a held merge may go on."""
+    return self._stop.is_set() or self._flush_state != "none" or not self._training
 
   def _compute_merge(self, p: int, offers: tuple[messages.Offer, ...]
                      ) -> tuple[global_model_lib.Screening, global_model_lib.MergeResult | None]:
@@ -111,7 +129,9 @@ class SyncerMerges:
   # ---- back on the syncer's thread: install, broadcast, record -----------------------------------
 
   def _finish_merge(self, done: syncer_rounds.MergeDone) -> None:
-    started_at, (screening, result) = done.future.result()  # a worker's error fails here
+    # (a worker's error fails here)
+    started_at, finished_at, (screening, result) = done.future.result()
+    self.stats.busy_s += finished_at - started_at
     round_, offers = done.round_, screening.accepted
     p = round_.fragment
     self.model.keep_screening(screening)
@@ -193,6 +213,8 @@ class SyncerMerges:
         "sync_s": round(sync_s, 5), "bytes_up": result.bytes_up,
         "bytes_down": bytes_down,
     }
+    if self.shard is not None:
+      decision["shard"] = self.shard  # which shard of a sharded syncer merged it
     # On the tape before any learner can hold the merge: a runtime whose tape is copied out of
     # this process (runtime/transport/ray_syncer.py) sends the broadcasts once the copy has the record, so
     # a merge some learner applied is never missing from the command's tape.

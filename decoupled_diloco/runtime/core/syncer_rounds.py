@@ -88,6 +88,9 @@ class SyncerStats:
   rounds_without_quorum: int = 0  # regular rounds that closed with fewer than K fresh offers
   empty_rounds: int = 0  # rounds in which no live learner had a step to give (nothing to merge)
   due_while_in_flight: int = 0  # a fragment fell due again before its last sync finished
+  # Seconds its merge workers spent screening, merging and encoding rounds (a sharded syncer's
+  # summary gives it per shard: how busy each one was).
+  busy_s: float = 0.0
   peak_held_bytes: int = 0  # most the syncer held at once (see syncer.py's docstring)
   # Offers dropped, never merged, by reason: an earlier incarnation of a restarted learner, an outer
   # gradient that is not finite or an outlier (robust.REASONS).
@@ -125,6 +128,7 @@ class SyncerRounds:
   _lead: int | None
   _grace: grace_lib.GraceEstimator
   _workers: concurrent.futures.ThreadPoolExecutor
+  _owns: frozenset[int]
   _min_anchor: np.ndarray
   _cut: Any  # syncer_state.CutRequest | None: no round opens while a cut is asked for
   _flush_state: str
@@ -161,7 +165,8 @@ class SyncerRounds:
       for _ in range(lead - self._lead):
         self._clock += 1
         for p in self._schedule.due_fragments(self._clock):
-          self._fall_due(p)
+          if p in self._owns:  # (a shard's: another shard opens the others)
+            self._fall_due(p)
     self._lead = lead
 
   def _fall_due(self, p: int) -> None:
@@ -312,7 +317,7 @@ class SyncerRounds:
     if self._flush_state == "requested" and not self._rounds and not self._merging:
       self._flush_state = "running"
       self._owed.clear()  # the final rounds sync every fragment
-      for p in range(len(self.model.fragments)):
+      for p in self.model.owned:
         self._open_round(p, self._clock, final=True)
     elif self._flush_state == "running" and not self._rounds and not self._merging:
       self._flush_state = "done"

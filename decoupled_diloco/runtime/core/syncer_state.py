@@ -40,6 +40,11 @@ class CutRequest:
   timeout_s: float
   include_tape: bool
   asked_at: float = 0.0
+  # A shard's cut (`Syncer.request_cut(hold=TOKEN)`): once taken, no round opens until released
+  # by that token (`held` then, since `held_at`).
+  hold: str = ""
+  held: bool = False
+  held_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +99,8 @@ class SyncerCheckpoints:
     from_learners = []
     # A learner whose process is down gives a stand-in without state (every version -1).
     holding = [pub for pub in publications.values() if pub.anchors]
-    for p, fragment in enumerate(self.model.fragments):
+    for p in self.model.owned:
+      fragment = self.model.fragments[p]
       newest = max(holding, key=lambda pub: pub.anchor_versions[p], default=None)
       if newest is not None and self.model.take_newer(
           p, int(newest.anchor_versions[p]), {n: newest.anchors[n] for n in fragment.names}):
@@ -156,14 +162,22 @@ class SyncerCheckpoints:
     request = self._cut
     if request is None:
       return
+    if request.held:
+      if self._now() - request.held_at > request.timeout_s:
+        logging.warning("syncer: a held cut was not released within %.1f s; merging again",
+                        request.timeout_s)
+        self._end_cut()
+      return
     cut = None
     if not self._rounds and not self._merging and self._flush_state in ("none", "done"):
-      versions = np.asarray(self.model.versions)
+      # (A shard's versions of the fragments it owns: the others are other shards' to hold.)
+      owned = list(self.model.owned)
+      versions = np.asarray(self.model.versions)[owned]
       with self._lock:
         live = sorted(self._live)
       publications = {m: self._learners[m].published for m in live}
-      if all(np.array_equal(pub.anchor_versions, versions) and pub.opt_state is not None
-             for pub in publications.values()):
+      if all(np.array_equal(np.asarray(pub.anchor_versions)[owned], versions)
+             and pub.opt_state is not None for pub in publications.values()):
         cut = SyncerCut(self.state(include_tape=request.include_tape), publications,
                         {m: self._incarnations.get(m, 0) for m in live}, self._clock)
     timed_out = self._now() - request.asked_at > request.timeout_s
@@ -172,8 +186,15 @@ class SyncerCheckpoints:
     if cut is None:
       logging.warning("syncer: no consistent cut within %.1f s (a learner did not apply the "
                       "latest merges); the checkpoint is tried again later", request.timeout_s)
-    self._cut = None
     request.future.set_result(cut)
+    if cut is not None and request.hold:
+      request.held, request.held_at = True, self._now()  # until release_cut()
+      return
+    self._end_cut()
+
+  def _end_cut(self) -> None:
+    """No cut is asked for any more: the rounds owed meanwhile open."""
+    self._cut = None
     for p in sorted(self._owed):
       if p not in self._rounds and p not in self._merging:
         self._open_owed(p)

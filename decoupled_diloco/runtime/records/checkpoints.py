@@ -46,7 +46,7 @@ from decoupled_diloco.lm import model as model_lib
 # checkpoint's (`fingerprint`).
 _MAY_CHANGE = ("workdir", "restore", "checkpoint.", "chaos.", "num_steps", "log_every",
                "eval_every", "eval_batches", "stall_timeout_s", "max_restarts", "devices.",
-               "syncer.num_workers", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
+               "syncer.num_workers", "syncer.merge_delay_steps", "learner_step_delays_s", "learner_step_noise_s", "sync.heartbeat_timeout_s",
                "profile_steps", "compilation_cache_dir", "tape", "replay")
 # Fields a resumed run may change by an elastic restore (runtime/records/elastic_restore.py): how many
 # learners there are and the shape of each one's mesh; with another number of learners, the
@@ -112,6 +112,12 @@ class RestoredCheckpoint:
   fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+def syncer_kind(shard: int | None) -> str:
+  """Where the syncer's own checkpoints go: `syncer/`, and a sharded syncer's shard i's
+  `syncer_shard_<i>/` (each shard is restored from its own)."""
+  return _SYNCER if shard is None else f"{_SYNCER}_shard_{shard}"
+
+
 def _keyed(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
   """Arrays under index keys (tensor names may hold characters orbax paths do not take)."""
   names = list(values)
@@ -168,9 +174,11 @@ class Checkpoints:
     """Writes `cut` in the background; the learners go on meanwhile."""
     return self._submit(self._write_job, cut)
 
-  def save_syncer(self, number: int, state: dict[str, Any]) -> concurrent.futures.Future:
-    """Writes the syncer's state alone (`Syncer.state()`), numbered `number` (monotonic)."""
-    return self._submit(self._write_syncer, number, state)
+  def save_syncer(self, number: int, state: dict[str, Any], shard: int | None = None
+                  ) -> concurrent.futures.Future:
+    """Writes the syncer's state alone (`Syncer.state()`), numbered `number` (monotonic); shard
+    `shard`'s of a sharded syncer under `syncer_shard_<shard>/`."""
+    return self._submit(self._write_syncer, number, state, shard)
 
   def _submit(self, fn, *args) -> concurrent.futures.Future:
     self.raise_if_failed()
@@ -205,11 +213,11 @@ class Checkpoints:
             "history": cut.history, "crc32": _crc(arrays)}
     self._save(_JOB, cut.clock, arrays, data, meta)
 
-  def _write_syncer(self, number: int, state: dict[str, Any]) -> None:
+  def _write_syncer(self, number: int, state: dict[str, Any], shard: int | None = None) -> None:
     arrays = {"syncer": jax.device_get(state["arrays"])}
     meta = {"kind": _SYNCER, "clock": number, "fingerprint": self._fingerprint,
             "syncer": state["json"], "crc32": _crc(arrays)}
-    self._save(_SYNCER, number, arrays, {}, meta)
+    self._save(syncer_kind(shard), number, arrays, {}, meta)
 
   def _save(self, kind: str, number: int, arrays, data, meta) -> None:
     manager = self._manager(kind)
@@ -292,9 +300,9 @@ class Checkpoints:
     """The newest job checkpoint that reads back whole (or exactly `number`); None if none."""
     return self._restore(_JOB, number)
 
-  def restore_syncer(self) -> RestoredCheckpoint | None:
-    """The newest syncer checkpoint that reads back whole; None if none."""
-    return self._restore(_SYNCER, None)
+  def restore_syncer(self, shard: int | None = None) -> RestoredCheckpoint | None:
+    """The newest syncer checkpoint (shard `shard`'s own) that reads back whole; None if none."""
+    return self._restore(syncer_kind(shard), None)
 
   def _restore(self, kind: str, number: int | None) -> RestoredCheckpoint | None:
     candidates = [number] if number is not None else list(reversed(self.steps(kind)))
@@ -420,8 +428,14 @@ def read_model(directory: str, number: int | None = None) -> SavedModel:
   model_cfg = model_lib.ModelConfig(**fields)
   cut = restored.cut
   if cut.syncer is not None:
-    names, theta = cut.syncer["json"]["model"]["names"], cut.syncer["arrays"]["theta"]
-    flat = {n: np.asarray(theta[f"{i:04d}"]) for i, n in enumerate(names)}
+    # A sharded syncer's state holds each shard's under shard_<i> (sharded_syncer.combine_states).
+    shards = cut.syncer["json"].get("shards")
+    parts = [(cut.syncer["json"], cut.syncer["arrays"])] if shards is None else [
+        (values, cut.syncer["arrays"][f"shard_{i}"]) for i, values in enumerate(shards)]
+    flat = {}
+    for values, arrays in parts:
+      names, theta = values["model"]["names"], arrays["theta"]
+      flat.update({n: np.asarray(theta[f"{i:04d}"]) for i, n in enumerate(names)})
     params, source = model_lib.param_layout(model_cfg).to_native(flat), "syncer"
   else:
     learner = min(cut.learners, key=lambda l: l.index)

@@ -153,7 +153,10 @@ def adapt(restored: checkpoints.RestoredCheckpoint, found: Change,
 
 
 def _syncer_json(values: dict[str, Any], num_learners: int) -> dict[str, Any]:
-  """The syncer's JSON state without what it kept of learners that no longer exist."""
+  """The syncer's JSON state without what it kept of learners that no longer exist (a sharded
+  syncer's: each shard's)."""
+  if "shards" in values:
+    return {**values, "shards": [_syncer_json(shard, num_learners) for shard in values["shards"]]}
   values = dict(values)
   values["merged_through"] = [e for e in values["merged_through"] if int(e[0]) < num_learners]
   for key in ("learner_steps", "incarnations", "reported_anchors"):

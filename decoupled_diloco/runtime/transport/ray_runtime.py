@@ -84,7 +84,7 @@ def package_root() -> str:
   return os.path.dirname(os.path.dirname(os.path.abspath(decoupled_diloco.__file__)))
 
 
-def start_ray(address: str, num_processes: int) -> None:
+def start_ray(address: str, num_processes: int, num_syncers: int = 1) -> None:
   """Starts a local Ray inside this process (`address` "") or joins a cluster ("auto" or an
   address). A local one listens on loopback only; Ray's own token authentication stays on."""
   import ray  # pylint: disable=g-import-not-at-top
@@ -100,10 +100,10 @@ def start_ray(address: str, num_processes: int) -> None:
     ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING,
              log_to_driver=True)
   else:
-    # One CPU slot per learner process (`num_processes`) and one for the syncer: Ray does not
-    # hold a learner back for want of cores (the processes share this host's cores as the
-    # threads did).
-    ray.init(num_cpus=num_processes + 1, include_dashboard=False, runtime_env=runtime_env,
+    # One CPU slot per learner process (`num_processes`) and one per syncer process (a shard
+    # each, `num_syncers`): Ray does not hold a learner back for want of cores (the processes
+    # share this host's cores as the threads did).
+    ray.init(num_cpus=num_processes + num_syncers, include_dashboard=False, runtime_env=runtime_env,
              logging_level=logging.WARNING, log_to_driver=True, _node_ip_address="127.0.0.1")
     _started_here = True
 

@@ -19,6 +19,10 @@ handle, read as it reads a `Syncer`:
 A syncer process that dies (config.chaos's `syncer_crash` is a SIGKILL of it here) is restarted by
 Ray; its constructor builds a fresh syncer at the initial Theta, and the controller's unchanged
 `SyncerKeeper` restores it from its newest syncer checkpoint and the learners' anchors.
+
+A sharded syncer (config.syncer.num_shards > 1) is one such process per shard, each placed by
+`config.ray.syncer_resource` on its own and restarted on its own: shard i's process builds the
+syncer of the fragments it owns (`assembly.make_local_syncer(shard=i)`).
 """
 
 from __future__ import annotations
@@ -112,12 +116,12 @@ class _GatedLink:
 class SyncerProcess:
   """The syncer in its own process (the body of the Ray actor; `RemoteSyncer` drives it)."""
 
-  def __init__(self, settings: settings_lib.RunSettings, secret: bytes):
+  def __init__(self, settings: settings_lib.RunSettings, secret: bytes, shard: int | None = None):
     from decoupled_diloco.runtime import assembly  # pylint: disable=g-import-not-at-top
     self._secret = secret
     self.rejected_calls = 0
     self._records = plumbing.Mailbox(records_wake=True, taping=settings.tape)
-    self.syncer = assembly.make_local_syncer(settings, metrics=self._records)
+    self.syncer = assembly.make_local_syncer(settings, metrics=self._records, shard=shard)
     self._gate = _TapeGate(lambda: len(self.syncer.tape))
 
   def _check(self, mac: str, method: str, learner: int, incarnation: int, detail: str = ""
@@ -183,8 +187,11 @@ class SyncerProcess:
     self._gate.wait_sent(plumbing.CALL_TIMEOUT_S if timeout is None else max(timeout, 1.0))
     return flushed
 
-  def request_cut(self, timeout_s: float, include_tape: bool):
-    return self.syncer.request_cut(timeout_s, include_tape).result()
+  def request_cut(self, timeout_s: float, include_tape: bool, hold: str = ""):
+    return self.syncer.request_cut(timeout_s, include_tape, hold=hold).result()
+
+  def release_cut(self, hold: str) -> None:
+    self.syncer.release_cut(hold)
 
   def request_state(self):
     return self.syncer.request_state().result()
@@ -238,9 +245,10 @@ class _RemoteModel:
 class RemoteSyncer:
   """The command's handle on the syncer's process, read as a `Syncer` is read."""
 
-  def __init__(self, actor, secret: bytes, metrics, *, stats=None, tape=None):
+  def __init__(self, actor, secret: bytes, metrics, *, stats=None, tape=None, shard=None):
     from decoupled_diloco.runtime.core import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
     self._actor, self._secret, self._metrics = actor, secret, metrics
+    self.shard = shard  # of a sharded syncer; None: the syncer is one process
     self.pid = self.get("pid")
     self.node = self.get("node")  # the Ray node (host) its process runs on
     self.compile_seconds = self.get("compile_seconds")
@@ -253,7 +261,8 @@ class RemoteSyncer:
     self._final: dict[str, Any] | None = None
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="watch-syncer", daemon=True)
-    logging.info("syncer pid %d%s", self.pid, plumbing.on_node(self.node))
+    logging.info("syncer%s pid %d%s", "" if shard is None else f" shard {shard}", self.pid,
+                 plumbing.on_node(self.node))
 
   def get(self, method: str, *args, timeout: float = plumbing.CALL_TIMEOUT_S):
     import ray  # pylint: disable=g-import-not-at-top
@@ -316,8 +325,19 @@ class RemoteSyncer:
     threading.Thread(target=resolve, daemon=True).start()
     return future
 
-  def request_cut(self, timeout_s: float, include_tape: bool = True) -> concurrent.futures.Future:
-    return self._future("request_cut", timeout_s, include_tape)
+  def request_cut(self, timeout_s: float, include_tape: bool = True, hold: str = ""
+                  ) -> concurrent.futures.Future:
+    return self._future("request_cut", timeout_s, include_tape, hold)
+
+  def release_cut(self, hold: str) -> None:
+    try:
+      self.get("release_cut", hold)
+    except handles.SyncerGone:
+      pass  # its process died: a restarted syncer holds no cut
+
+  @property
+  def shard_stats(self) -> list[Any]:
+    return [self.stats]
 
   def request_state(self) -> concurrent.futures.Future:
     return self._future("request_state")
@@ -407,10 +427,11 @@ class RemoteSyncer:
       return False
     return True
 
-def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> RemoteSyncer:
-  """The syncer actor on CPU with its own devices; logs `syncer pid N`."""
+def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics,
+                 shard: int | None = None) -> RemoteSyncer:
+  """The syncer actor (or shard `shard`'s) on CPU with its own devices; logs `syncer pid N`."""
   import ray  # pylint: disable=g-import-not-at-top
-  name = f"syncer-{os.urandom(4).hex()}"
+  name = f"syncer-{os.urandom(4).hex()}" + ("" if shard is None else f"-shard-{shard}")
   # Its mesh's devices, and one more that initialises the model (the initial Theta).
   env = {"JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": devices_lib.xla_flags_with_device_count(settings.syncer.num_devices + 1)}
@@ -421,11 +442,11 @@ def start_syncer(settings: settings_lib.RunSettings, secret: bytes, metrics) -> 
       # config.ray.tpu_slice: never on a TPU VM, whose CPU a learner's bundle on a spare slice
       # needs (and whose cores are its learner process's).
       **({"label_selector": ray_tpu_slices.not_on_tpu_hosts()} if settings.ray.slice else {}),
-      runtime_env={"env_vars": env}).remote(settings, secret)
+      runtime_env={"env_vars": env}).remote(settings, secret, shard)
   # Its process builds and compiles before it answers: the time a restarted syncer and every
   # learner get (a plain call's 120 s ran out on a loaded 2-core host).
-  plumbing.wait_until_up(actor, "the syncer")
-  made = RemoteSyncer(actor, secret, metrics)
+  plumbing.wait_until_up(actor, "the syncer" if shard is None else f"syncer shard {shard}")
+  made = RemoteSyncer(actor, secret, metrics, shard=shard)
   made.name = name  # another driver could look it up by this name (tests do)
   return made
 
@@ -434,8 +455,9 @@ def restarted(crashed: RemoteSyncer, timeout_s: float = 5 * plumbing.CALL_TIMEOU
               ) -> RemoteSyncer:
   """The syncer after Ray restarted its process (a fresh syncer at the initial Theta); the
   keeper restores it."""
-  plumbing.wait_until_up(crashed._actor, "the syncer", timeout_s, gone_pid=crashed.pid)  # pylint: disable=protected-access
+  what = "the syncer" if crashed.shard is None else f"syncer shard {crashed.shard}"
+  plumbing.wait_until_up(crashed._actor, what, timeout_s, gone_pid=crashed.pid)  # pylint: disable=protected-access
   made = RemoteSyncer(crashed._actor, crashed._secret, crashed._metrics,  # pylint: disable=protected-access
-                      stats=crashed.stats, tape=crashed.tape)
+                      stats=crashed.stats, tape=crashed.tape, shard=crashed.shard)
   made.name = crashed.name
   return made

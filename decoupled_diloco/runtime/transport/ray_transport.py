@@ -35,14 +35,16 @@ class RayTransport:
   def start(self, settings: settings_lib.RunSettings) -> None:
     self._secret = secrets.token_bytes(32)  # this job's MAC key (ray_runtime.py)
     ray_runtime.start_ray(settings.ray.address,
-                          settings.num_learners * settings.ray.processes_per_learner)
+                          settings.num_learners * settings.ray.processes_per_learner,
+                          num_syncers=settings.syncer.num_shards)
 
   def make_syncer(self, settings: settings_lib.RunSettings, crashed, *, metrics, network,
-                  initial: dict[str, Any], syncer_mesh) -> Any:
-    """A process of its own; after a crash, the one Ray has restarted."""
+                  initial: dict[str, Any], syncer_mesh, shard: int | None = None) -> Any:
+    """A process of its own (each shard's, of a sharded syncer); after a crash, the one Ray has
+    restarted."""
     del network, initial, syncer_mesh  # it makes its own from the seed
-    return ray_syncer.start_syncer(settings, self._secret, metrics) if crashed is None \
-        else ray_syncer.restarted(crashed)
+    return ray_syncer.start_syncer(settings, self._secret, metrics, shard=shard) \
+        if crashed is None else ray_syncer.restarted(crashed)
 
   def start_learners(self, settings: settings_lib.RunSettings, built, *, syncer, port, metrics,
                      layout, fragments, cuts: dict[int, Any], held_back: Sequence[int],

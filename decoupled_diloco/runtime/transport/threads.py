@@ -46,10 +46,10 @@ class ThreadsTransport:
     del settings  # nothing to start: the learners and the syncer are threads of this process
 
   def make_syncer(self, settings: settings_lib.RunSettings, crashed, *, metrics, network,
-                  initial: dict[str, Any], syncer_mesh) -> Any:
+                  initial: dict[str, Any], syncer_mesh, shard: int | None = None) -> Any:
     del crashed  # a restarted syncer is made as the first was
     return assembly.make_local_syncer(settings, metrics=metrics, network=network,
-                                      initial=initial, syncer_mesh=syncer_mesh)
+                                      initial=initial, syncer_mesh=syncer_mesh, shard=shard)
 
   def start_learners(self, settings: settings_lib.RunSettings, built, *, syncer, port, metrics,
                      layout, fragments, cuts: dict[int, Any], held_back: Sequence[int],
