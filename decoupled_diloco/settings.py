@@ -41,6 +41,7 @@ from decoupled_diloco.lm import data as data_lib
 from decoupled_diloco.lm import documents
 from decoupled_diloco.lm import inner
 from decoupled_diloco.lm import model as model_lib
+from decoupled_diloco.lm import splash
 from decoupled_diloco.lm import tokenizers
 from decoupled_diloco import chaos
 
@@ -61,6 +62,7 @@ BROADCAST_DELTA_FORMATS = ("none",) + tuple(f for f in compression.FORMATS if f 
 ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'",
                 "devices.fake_slice_size": "0", "devices.slice_poll_s": "10.0",
                 "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''",
+                "model.splash_block_q": "0", "model.splash_block_kv": "0",
                 "syncer.merge_delay_steps": "0",
                 "syncer.num_shards": "1"}
 
@@ -934,6 +936,19 @@ def _ray_resource(config, field: str, runtime: str) -> str:
   return name
 
 
+def _check_splash_blocks(model_cfg: model_lib.ModelConfig, seq_len: int) -> None:
+  """The splash kernel tiles the sequence in whole blocks of 128 (lm/splash.py)."""
+  multiple = splash.BLOCK_MULTIPLE
+  if seq_len % multiple:
+    _fail("data.seq_len", seq_len, f"must be a multiple of {multiple} with "
+          "config.model.attention='splash' (the kernel's blocks are multiples of 128)")
+  for name in ("splash_block_q", "splash_block_kv"):
+    block = getattr(model_cfg, name)
+    if block and seq_len % block:
+      _fail(f"model.{name}", block, f"must divide config.data.seq_len={seq_len} (or be 0, the "
+            "TPU generation's default)")
+
+
 def validate(config: ml_collections.ConfigDict) -> RunSettings:
   """Checks every field of `config`; returns the settings tree or raises ValueError."""
   _check_fields(config)
@@ -1047,6 +1062,10 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   if model_cfg.attention == "cudnn" and devices.platform != "gpu":
     _fail("model.attention", model_cfg.attention,
           "needs config.devices.platform='gpu' (cuDNN flash attention has no CPU or TPU kernel)")
+  if model_cfg.attention == "splash" and devices.platform != "tpu":
+    _fail("model.attention", model_cfg.attention,
+          f"runs on TPU only (config.devices.platform='tpu', not {devices.platform!r}): the Pallas "
+          "splash kernel is built for TPU chips; use 'cudnn' on a GPU, 'xla' anywhere")
   if model_cfg.attention == "cudnn" and devices.learners_sharing_devices > 1 and mode != "dp":
     _fail("model.attention", model_cfg.attention,
           f"cannot run with config.devices.learners_sharing_devices="
@@ -1064,6 +1083,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
           f"split is carved from text sources only")
   if seq_len > model_cfg.max_seq_len:
     _fail("data.seq_len", seq_len, f"must be <= config.model.max_seq_len={model_cfg.max_seq_len}")
+  if model_cfg.attention == "splash":
+    _check_splash_blocks(model_cfg, seq_len)
   if dataset_seq_len is not None and seq_len != dataset_seq_len:
     _fail("data.seq_len", seq_len, f"must be {dataset_seq_len}, the window length the ArrayRecord "
                                    f"shards of config.data.source={data_source!r} were packed "

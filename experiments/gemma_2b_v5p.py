@@ -8,7 +8,7 @@ compiled for its v5p:4x4x4 slice by the TPU compiler (scripts/aot_compile.py,
 results/aot_gemma_2b_v5p.md): every learner program fits, the train step in 16% of a chip's HBM,
 unchanged from the layout checked on fake CPU devices (tests/test_experiments.py,
 tests/test_fsdp.py) once the model placed its residual stream like the batch (its first compile
-had run out of VMEM). remat=auto would pick dots_saveable (74% of HBM, a roofline step 8% shorter
+had run out of VMEM). remat=auto would pick dots_saveable (74% of HBM, a roofline step 14% shorter
 than full's 423 ms); full is kept for the headroom. Set
 `data.source` to ArrayRecord shards of your corpus made by scripts/prepare_data.py with a 256k
 tokenizer (the bundled byte corpus here only validates; vocab_size is Gemma's for sizing).

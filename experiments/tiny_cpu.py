@@ -275,8 +275,14 @@ def get_config() -> ml_collections.ConfigDict:
   # grow with depth (16 layers build in 1.07x the time of 4, against 2.6x unrolled). Off here: at 4
   # layers on CPU the unrolled step compiles and runs faster.
   config.model.scan_layers = False
-  # xla | cudnn (flash attention on NVIDIA GPUs: bfloat16 only, devices.platform=gpu).
+  # xla | cudnn (flash attention on NVIDIA GPUs: bfloat16 only, devices.platform=gpu) | splash
+  # (the Pallas flash attention kernel for TPU, devices.platform=tpu; data.seq_len and
+  # model.max_seq_len multiples of 128). Compiled for TPUs, never run on one (docs/accelerators.md).
   config.model.attention = "xla"
+  # The splash kernel's query / key block sizes: multiples of 128 that divide data.seq_len; 0 = the
+  # default for the learner's TPU generation (1024 on v6e, 512 on the others: lm/splash.py).
+  config.model.splash_block_q = 0
+  config.model.splash_block_kv = 0
   # Recompute block activations in the backward pass: none | full | a jax.checkpoint_policies name
   # (dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, everything_saveable).
   config.model.remat = "none"

@@ -4,20 +4,24 @@ r"""Compiles every learner program of an experiment for its real TPU topology, o
   python scripts/aot_compile.py --config=experiments/tiny_cpu.py --topology=v5p:2x2x1
   python scripts/aot_compile.py --config=experiments/dense_5b_v5p.py --config.model.remat=auto
   python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py --num_slices=8
+  python scripts/aot_compile.py --config=experiments/hetero_v6e_v5p.py \
+      --config.model.attention=splash --name=hetero_v6e_v5p_splash
 
 No TPU is needed: libtpu (the `tpu` extra) gives the compile-only devices of a named topology and
 the TPU compiler (runtime/tpu_aot.py). Each distinct learner is compiled on its topology (the
 config's `devices.tpu_topologies`, or --topology for all), and for each of its programs (train
 step, eval step, publication copy, apply of a broadcast, sampling step) this prints and writes
-HBM per chip against the chip's, the compiled matmul FLOPs beside lm/flops.py's, every collective
-with its bytes and mesh axes; for the train step a roofline (step time, MFU ceiling, tokens/s per
-slice); and for the syncer the merges falling due at that pace, their bytes, a merge of the
-median fragment timed on this host, and the `syncer.num_workers` that keep up.
+HBM per chip against the chip's, the compiled FLOPs (matmuls, and the splash attention kernels
+counted from their shapes; any other custom call listed as uncounted) beside lm/flops.py's, every
+collective with its bytes and mesh axes; for the train step a roofline (step time, MFU ceiling,
+tokens/s per slice); and for the syncer the merges falling due at that pace, their bytes, a merge
+of the median fragment timed on this host, and the `syncer.num_workers` that keep up.
 With --num_slices=N the learners are compiled as on a multi-slice pod: N slices of each topology,
 every learner placed by the run's own carving on a slice of its own and compiled on its devices,
 with the slice it landed on and whether any of its collectives joins devices of two slices.
 Writes results/aot_<experiment>.json and .md (aot_<experiment>_multislice.* with --num_slices;
---out_dir).
+--out_dir). A check before booking chips: it exits 3, with one line naming them, when any program
+does not fit its chips' HBM or does not compile (2 for a bad config or flag, as every command).
 """
 
 import datetime
@@ -44,8 +48,9 @@ from decoupled_diloco.runtime import tpu_aot
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "TPU topology of every learner (v5p:4x4x4, v6e:8x8, v5e:1x1); default each "
-    "learner's config.devices.tpu_topologies entry.")
+    "topology", None, "TPU topology of every learner (v5p:4x4x4, v6e:8x8, v5e:1x1): replaces "
+    "config.devices.tpu_topologies before the config is validated; default each learner's entry "
+    "there.")
 _NUM_SLICES = flags.DEFINE_integer(
     "num_slices", 0, "Compile for a multi-slice pod: this many slices of each topology the "
     "learners name, every learner placed on its own slice by the run's carving and compiled on "
@@ -62,6 +67,8 @@ _SYNCER_ONLY = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config"])
 
 _GIB = 1024**3
+# Exit status when a program of the experiment does not fit or does not compile.
+EXIT_DOES_NOT_FIT = 3
 _SHARD_COUNTS = (1, 2, 4, 8)  # the shardings the syncer's sizing is given for (those <= P)
 
 
@@ -69,7 +76,7 @@ def _gib(n):
   return n / _GIB
 
 
-def _program_record(p):
+def _program_record(p, chip):
   fit, hlo = p.fit, p.hlo
   record = {
       "program": p.program, "count": p.count, "compile_s": round(p.compile_s, 2),
@@ -86,9 +93,14 @@ def _program_record(p):
                    "margin": 1 - fit.share})
   if hlo is not None:
     record.update({
-        "matmul_flops_per_chip": hlo.matmul_flops, "analytic_flops_per_chip": p.analytic_flops,
-        "compiler_over_analytic": (hlo.matmul_flops / p.analytic_flops
-                                   if p.analytic_flops else None),
+        "matmul_flops_per_chip": hlo.matmul_flops, "kernel_flops_per_chip": hlo.kernel_flops,
+        "flops_per_chip": hlo.flops, "analytic_flops_per_chip": p.analytic_flops,
+        "compiler_over_analytic": hlo.flops / p.analytic_flops if p.analytic_flops else None,
+        "compute_s": hlo.flops / chip.peak_flops_per_s,
+        "hbm_s": hlo.hbm_bytes / chip.hbm_bytes_per_s,
+        "kernels": [{"name": k.name, "count": k.count, "flops": k.flops,
+                     "hbm_bytes": k.hbm_bytes} for k in hlo.kernels],
+        "uncounted_custom_calls": dict(hlo.uncounted),
         "hbm_bytes_per_chip": hlo.hbm_bytes, "ici_bytes_per_chip": hlo.ici_bytes_per_chip,
         "unknown_trip_counts": hlo.unknown_trip_counts,
         "collectives_across_slices": p.collectives_across_slices,
@@ -115,13 +127,15 @@ def _learner_record(report):
       "hbm_bytes": chip.hbm_bytes, "usable_hbm_bytes": chip.hbm_usable_bytes,
       "worst_program": report.worst.program,
       "worst_hbm_share": report.worst.fit.share if report.worst.fit.memory else None,
-      "programs": [_program_record(p) for p in report.programs],
+      "programs": [_program_record(p, chip) for p in report.programs],
   }
   if roof is not None:
     record["roofline"] = {
         "compute_s": roof.compute_s, "hbm_s": roof.hbm_s, "ici_s": roof.ici_s,
+        "kernel_compute_s": roof.kernel_compute_s, "kernel_hbm_s": roof.kernel_hbm_s,
         "step_s": roof.step_s, "bound": roof.bound,
         "mfu_ceiling": roof.mfu_ceiling(chip.peak_flops_per_s),
+        "mfu_ceiling_causal": roof.causal_mfu_ceiling(chip.peak_flops_per_s),
         "tokens_per_step": roof.tokens_per_step, "tokens_per_s_per_slice": roof.tokens_per_s,
         "peak_flops_per_s": chip.peak_flops_per_s, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
         "ici_bytes_per_s": chip.ici_bytes_per_s}
@@ -146,6 +160,41 @@ def _syncer_record(load):
                  for s in _SHARD_COUNTS if s <= load.num_fragments],
       "timed_with": "fused merge (runtime/core/fused_merge.py)",
   }
+
+
+def _kernel_lines(programs):
+  """The kernels the analysis counted, per program, and the custom calls it could not count."""
+  out = []
+  for p in programs:
+    kernels = [f"{k['name']} {k['count']} x: {k['flops'] / 1e12:.2f} TFLOP, "
+               f"{_gib(k['hbm_bytes']):.2f} GiB" for k in p.get("kernels", [])]
+    uncounted = [f"{name} {count} x" for name, count in
+                 (p.get("uncounted_custom_calls") or {}).items()]
+    if kernels or uncounted:
+      out.append(f"- {p['program']}: " + "; ".join(kernels) + (
+          ("; " if kernels else "") + "**not counted** (FLOPs unknown, bytes as operands and "
+          "results): " + ", ".join(uncounted) if uncounted else ""))
+  if not out:
+    return []
+  return ["", "Kernels (custom calls) per step, per chip, as runtime/hardware/kernels.py counts "
+          "them:", ""] + out
+
+
+def _failures(doc):
+  """'learner(s) [0, 1] on v5e:2x2: train_step (HBM), ...' for every program that does not fit or
+  compile, one entry per distinct learner; empty when all do."""
+  failed = []
+  for learner in doc["learners"]:
+    names = []
+    for p in learner["programs"]:
+      if p["refused_by_compiler"] or p["compile_error"]:
+        names.append(f"{p['program']} ({'HBM' if p['refused_by_compiler'] else 'does not compile'})")
+      elif p.get("hbm_share", 0) > 1:  # compiles alone, not beside what the learner holds
+        names.append(f"{p['program']} ({100 * p['hbm_share']:.0f}% of HBM)")
+    if names:
+      failed.append(f"learner(s) {learner['learners']} on {learner['topology']}: "
+                    + ", ".join(names))
+  return failed
 
 
 def _markdown(doc):
@@ -187,17 +236,22 @@ def _markdown(doc):
             + (f"leaves {100 * (1 - learner['worst_hbm_share']):.1f}% free."
                if learner["worst_hbm_share"] is not None else "does not fit or compile."), "",
             "| program | args / outputs (aliased) / temps / code, GiB per chip | + alongside | "
-            "of usable HBM | matmul TFLOP per chip: compiler / lm/flops.py | ICI GiB sent per "
-            "chip | compile s |", "|---|---|---|---|---|---|---|"]
+            "of usable HBM | TFLOP per chip (matmuls + kernels): compiler / lm/flops.py | "
+            "compute / HBM ms at peak | ICI GiB sent per chip | compile s |",
+            "|---|---|---|---|---|---|---|---|"]
     for p in learner["programs"]:
       name = p["program"] + (f" (x{p['count']})" if p["count"] > 1 else "")
       failure = p["refused_by_compiler"] or p["compile_error"]
       if failure:
         what = "HBM: " if p["refused_by_compiler"] else "does not compile: "
-        out.append(f"| {name} | {what}{' '.join(failure.split())[:400]} | | | | | "
+        out.append(f"| {name} | {what}{' '.join(failure.split())[:400]} | | | | | | "
                    f"{p['compile_s']:.1f} |")
         continue
-      flops = f"{p['matmul_flops_per_chip'] / 1e12:.2f}"
+      flops, times, ici = "-", "-", "-"  # no program (a broadcast applied by transfers only)
+      if "flops_per_chip" in p:
+        flops = f"{p['flops_per_chip'] / 1e12:.2f}"
+        times = f"{p['compute_s'] * 1e3:.1f} / {p['hbm_s'] * 1e3:.1f}"
+        ici = f"{_gib(p['ici_bytes_per_chip']):.2f}"
       if p.get("analytic_flops_per_chip"):
         flops += (f" / {p['analytic_flops_per_chip'] / 1e12:.2f} "
                   f"({p['compiler_over_analytic']:.3f}x)")
@@ -205,14 +259,14 @@ def _markdown(doc):
           f"| {name} | {_gib(p['argument_bytes']):.2f} / {_gib(p['output_bytes']):.2f} "
           f"({_gib(p['alias_bytes']):.2f}) / {_gib(p['temp_bytes']):.2f} / "
           f"{_gib(p['code_bytes']):.3f} | {_gib(p['alongside_bytes']):.2f} | "
-          f"{100 * p['hbm_share']:.1f}% | {flops} | {_gib(p['ici_bytes_per_chip']):.2f} | "
-          f"{p['compile_s']:.1f} |")
+          f"{100 * p['hbm_share']:.1f}% | {flops} | {times} | {ici} | {p['compile_s']:.1f} |")
     out += ["", "Collectives per step (count, buffer GiB, GiB each chip sends over ICI):", ""]
     for p in learner["programs"]:
       parts = [f"{c['kind']} over {'x'.join(c['axes']) or '-'} ({c['group_size']}): "
                f"{c['count']} x, {_gib(c['bytes']):.2f} GiB, {_gib(c['ici_bytes_per_chip']):.2f}"
                for c in p.get("collectives", [])]
       out.append(f"- {p['program']}: " + ("; ".join(parts) if parts else "none"))
+    out += _kernel_lines(learner["programs"])
     unknown = sum(p.get("unknown_trip_counts") or 0 for p in learner["programs"])
     if unknown:
       out += ["", f"**{unknown} loop(s) of unknown trip count were counted once: the FLOPs, "
@@ -221,9 +275,13 @@ def _markdown(doc):
     if roof:
       ici = f"{roof['ici_s'] * 1e3:.0f} ms" if roof["ici_s"] is not None else "n/a"
       out += ["", f"Roofline of the train step: compute {roof['compute_s'] * 1e3:.0f} ms, HBM "
-              f"{roof['hbm_s'] * 1e3:.0f} ms, ICI {ici}: at least {roof['step_s'] * 1e3:.0f} ms "
+              f"{roof['hbm_s'] * 1e3:.0f} ms"
+              + (f" (the splash kernels' share: compute {roof['kernel_compute_s'] * 1e3:.0f} ms, "
+                 f"HBM {roof['kernel_hbm_s'] * 1e3:.0f} ms)" if roof.get("kernel_compute_s") else "")
+              + f", ICI {ici}: at least {roof['step_s'] * 1e3:.0f} ms "
               f"per step ({roof['bound']}-bound), an MFU ceiling of "
-              f"{100 * roof['mfu_ceiling']:.1f}% and at most "
+              f"{100 * roof['mfu_ceiling']:.1f}% ({100 * roof['mfu_ceiling_causal']:.1f}% without "
+              "causal attention's masked half in the model FLOPs, as MaxText counts them) and at most "
               f"{roof['tokens_per_s_per_slice']:,.0f} tokens/s per slice."]
     out.append("")
   syncer = doc.get("syncer")
@@ -319,11 +377,16 @@ def main(argv):
   # Compiled for TPU chips: the run there places its own devices and donates the train state.
   config.devices.platform = "tpu"
   config.devices.num_fake_cpu_devices = 0
+  if _TOPOLOGY.value:  # the topology of every learner, as the run would be configured for it
+    config.devices.tpu_topologies = (_TOPOLOGY.value,)
   try:
     settings = settings_lib.validate(config)
     targets = tpu_aot.learner_targets(settings, _TOPOLOGY.value, _NUM_SLICES.value)
   except ValueError as err:
-    raise errors.InputError(f"Invalid config: {err}") from err
+    raise errors.InputError(
+        f"Invalid config: {err}",
+        f"--topology={_TOPOLOGY.value} set config.devices.tpu_topologies" if _TOPOLOGY.value
+        else "") from err
   configured_remat = settings.model.remat
   remat_tried = None
   remat_s = None
@@ -365,6 +428,10 @@ def main(argv):
     doc["syncer"] = _syncer_record(syncer_load.load(settings, min(steps), timing))
   doc["wall_s"] = time.perf_counter() - started
   _write(os.path.join(_OUT_DIR.value, f"aot_{name}"), doc)
+  failed = _failures(doc)
+  if failed:
+    print(f"does not fit or compile: {'; '.join(failed)}", file=sys.stderr)
+    sys.exit(EXIT_DOES_NOT_FIT)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Model FLOPs per token (lm/flops.py), by hand and against XLA's count of the compiled train
 step."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -22,6 +24,24 @@ def test_flops_per_token_matches_a_hand_count_of_a_tiny_model():
   params = model.param_shapes(cfg)
   all_params = sum(int(np.prod(s.shape)) for s in params.values())
   assert all_params - flops.matmul_params(cfg) == 5 * 8  # two norms per block, one final
+
+
+def test_the_splash_kernel_halves_attention_in_what_a_step_computes_not_in_model_flops():
+  cfg = default_settings("model", vocab_size=256, embed_dim=8, num_layers=2, num_heads=2,
+                         head_dim=4, mlp_dim=16)
+  splash = dataclasses.replace(cfg, attention="splash")
+  # Attention is 1920 per token at 10 positions (the hand count above); the kernel skips the
+  # blocks above the causal diagonal: 960. Model FLOPs (MFU) count it whole, PaLM's convention;
+  # MaxText's count does not.
+  assert flops.model_flops_per_token(splash, 10) == flops.model_flops_per_token(cfg, 10) == 21888
+  assert flops.causal_model_flops_per_token(cfg, 10) == 19968 + 960
+  assert flops.train_flops_per_token(cfg, 10) == 19968 + 1920
+  assert flops.train_flops_per_token(splash, 10) == 19968 + 960
+  # remat=full runs the blocks' forward matmuls again: projections and MLP 2 x 1280, attention's
+  # forward a third of its count.
+  full = dataclasses.replace(splash, remat="full")
+  assert flops.train_flops_per_token(full, 10) == 19968 + 960 + 2560 + 320
+  assert flops.forward_flops_per_token(splash, 10) == 2 * 3328 + 320
 
 
 def test_flops_per_token_is_within_5_percent_of_xla_cost_analysis_of_the_train_step():

@@ -173,6 +173,29 @@ def test_cudnn_attention_needs_gpu_devices():
   settings.validate(config)
 
 
+def test_splash_attention_needs_tpu_chips_and_sequences_in_whole_blocks():
+  config = tiny_cpu.get_config()
+  config.model.attention = "splash"
+  with pytest.raises(ValueError) as refusal:
+    settings.validate(config)
+  # One line naming the field, the platform it runs on and what runs elsewhere.
+  assert str(refusal.value) == (
+      "config.model.attention='splash' is invalid: runs on TPU only "
+      "(config.devices.platform='tpu', not 'cpu'): the Pallas splash kernel is built for TPU "
+      "chips; use 'cudnn' on a GPU, 'xla' anywhere")
+  config.devices.platform = "tpu"
+  assert settings.validate(config).model.attention == "splash"
+  config.model.splash_block_q = 256
+  with pytest.raises(ValueError, match=r"config.model.splash_block_q=256 is invalid: must divide "
+                                       r"config.data.seq_len=128"):
+    settings.validate(config)
+  config.model.splash_block_q = 0
+  config.data.seq_len = 96
+  with pytest.raises(ValueError, match=r"config.data.seq_len=96 is invalid: must be a multiple "
+                                       r"of 128 with config.model.attention='splash'"):
+    settings.validate(config)
+
+
 def test_cudnn_attention_is_refused_for_learners_sharing_a_gpu_but_not_for_dp():
   """Learners sharing a GPU that each ran cuDNN attention crashed the process on an H100."""
   config = tiny_cpu.get_config()

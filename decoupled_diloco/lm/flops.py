@@ -23,12 +23,19 @@ runtimes and hardware. No JAX here, so a script that must not start JAX can impo
 What a compiled train step multiplies is more when blocks are rematerialised
 (config.model.remat): the backward pass runs the forward matmuls it did not keep again.
 `train_flops_per_token` adds them, which is what the TPU compiler's count of a step is compared
-with (runtime/tpu_aot.py).
+with (runtime/tpu_aot.py). It is also less with config.model.attention='splash': the kernel
+(lm/splash.py) skips the blocks above the causal diagonal, so a compiled step multiplies half of
+attention's s x s matmuls (the model FLOPs above still count them whole).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+# The named scope lm/splash.py puts around its causal kernel: the HLO analysis
+# (runtime/hardware/kernels.py) finds it in a kernel's op_name and counts the blocks above the
+# diagonal as skipped. Here, with no JAX, so that the analysis need not import the kernel.
+CAUSAL_KERNEL_SCOPE = "causal_splash_attention"
 
 
 class _ModelShape(Protocol):
@@ -41,6 +48,7 @@ class _ModelShape(Protocol):
   head_dim: int
   mlp_dim: int
   remat: str
+  attention: str
 
 
 def matmul_params(cfg: _ModelShape) -> int:
@@ -59,15 +67,30 @@ def model_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
   return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
 
 
-def block_forward_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
-  """The blocks' forward matmuls per token: projections, MLP and attention (no unembedding)."""
+def causal_model_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """6 N_matmul + 6 L s H K: the model FLOPs without causal attention's masked half, as Megatron-LM
+  and MaxText (maxtext_utils.calculate_tflops_training_per_device) count them. A kernel that
+  skips that half (splash) can pass 100% of PaLM's count; it cannot pass this one."""
+  return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len) // 2
+
+
+def block_projection_flops_per_token(cfg: _ModelShape) -> int:
+  """The blocks' forward matmuls per token outside attention's s x s ones: projections and MLP."""
   d, hk, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.mlp_dim
-  return 2 * cfg.num_layers * (4 * d * hk + 3 * d * f) + 4 * cfg.num_layers * seq_len * hk
+  return 2 * cfg.num_layers * (4 * d * hk + 3 * d * f)
+
+
+def computed_attention_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
+  """Attention's matmuls a compiled step runs, forward and backward: 12 L s H K with XLA's
+  attention (it multiplies the masked half too), half that with the splash kernel."""
+  whole = attention_flops_per_token(cfg, seq_len)
+  return whole // 2 if cfg.attention == "splash" else whole
 
 
 def forward_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
-  """An evaluation's matmuls per token: 2 N_matmul + 4 L s H K."""
-  return 2 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len) // 3
+  """An evaluation's matmuls per token as compiled: 2 N_matmul + 4 L s H K (2 L s H K with the
+  splash kernel)."""
+  return 2 * matmul_params(cfg) + computed_attention_flops_per_token(cfg, seq_len) // 3
 
 
 # The forward matmuls a remat policy runs again in the backward pass: "full" and
@@ -79,11 +102,13 @@ _RECOMPUTED = {"full": "blocks", "nothing_saveable": "blocks",
 
 
 def train_flops_per_token(cfg: _ModelShape, seq_len: int) -> int:
-  """Matmul FLOPs per token of a train step under `cfg.remat`: the model FLOPs plus the forward
+  """Matmul FLOPs per token of a train step under `cfg.remat` and `cfg.attention`: the model
+  FLOPs with attention as compiled (`computed_attention_flops_per_token`), plus the forward
   matmuls rematerialisation repeats."""
   if cfg.remat == "auto":
     raise ValueError("config.model.remat='auto' must be resolved to a policy first")
+  attention = computed_attention_flops_per_token(cfg, seq_len)
   recomputed = _RECOMPUTED.get(cfg.remat)
-  extra = {None: 0, "blocks": block_forward_flops_per_token(cfg, seq_len),
-           "attention": attention_flops_per_token(cfg, seq_len) // 3}[recomputed]
-  return model_flops_per_token(cfg, seq_len) + extra
+  extra = {None: 0, "blocks": block_projection_flops_per_token(cfg) + attention // 3,
+           "attention": attention // 3}[recomputed]
+  return 6 * matmul_params(cfg) + attention + extra

@@ -384,7 +384,8 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh,
 
   def eval_step(params: dict[str, jax.Array], batch: dict[str, jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:
-    logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations)
+    logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations,
+                               mesh=mesh)
     nats_BxL = model.cross_entropy(logits_BxLxV, batch["targets"])
     return jnp.sum(nats_BxL), jnp.asarray(nats_BxL.size, jnp.int32)
 
@@ -414,7 +415,8 @@ def make_eval_over_batches(graphdef: nnx.GraphDef, mesh: Mesh,
   def eval_all(params: dict[str, jax.Array], batches: dict[str, jax.Array]
                ) -> tuple[jax.Array, jax.Array]:
     def body(total, batch):
-      logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations)
+      logits_BxLxV = model.apply(graphdef, params, batch["inputs"], activations=activations,
+                                 mesh=mesh)
       nats_BxL = model.cross_entropy(logits_BxLxV, batch["targets"])
       return total + jnp.sum(nats_BxL), None
 

@@ -41,6 +41,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from decoupled_diloco.lm import splash
+
 # Logical axis -> mesh axis (or axes). The mesh of a learner has axes ("data", "fsdp", "model").
 # Every weight has an embed axis, so splitting it over "fsdp" shards all of them (norm scales
 # included) and, through `inner._opt_state_shardings`, their AdamW moments.
@@ -76,8 +78,9 @@ _ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
 # attention on NVIDIA GPUs. With JAX 0.10.2 (cuDNN >= 8.9.4) flash attention takes float16/bfloat16
 # only and head_dim a multiple of 8, at most 128 (256 from Hopper on); it no longer needs the
 # sequence length to be a multiple of 64 (cuDNN 8.9.0-8.9.3 did). It has no CPU kernel, so the
-# runtime config must also ask for GPU devices.
-_ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+# runtime config must also ask for GPU devices. "splash" is the Pallas TPU flash attention kernel
+# (lm/splash.py), mapped over the learner's mesh; TPU chips only (Pallas interpret mode on CPU).
+_ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 
 # Which config field sets the size of a sharded logical axis, for error messages.
 _AXIS_FIELD = {"vocab": "vocab_size", "mlp": "mlp_dim", "heads": "num_heads",
@@ -109,7 +112,11 @@ class ModelConfig:
   # unrolled step runs ~20% faster (XLA:CPU writes the activations saved for the backward pass
   # into stacked buffers); deep models need it on, it bounds their start-up.
   scan_layers: bool
-  attention: str  # "xla" | "cudnn" (flash attention, NVIDIA GPUs; see above).
+  attention: str  # "xla" | "cudnn" (flash attention, NVIDIA GPUs) | "splash" (TPU; see above).
+  # The splash kernel's query and key block sizes (multiples of 128, dividing the sequence
+  # length); 0 = lm/splash.py's default for the learner's TPU generation.
+  splash_block_q: int
+  splash_block_kv: int
   # Rematerialisation of each block in the backward pass: one of REMAT_POLICIES (see there).
   remat: str
 
@@ -144,6 +151,12 @@ class ModelConfig:
           f"config.model.attention={self.attention!r} must be one of "
           f"{list(_ATTENTION_IMPLEMENTATIONS)}"
       )
+    for name in ("splash_block_q", "splash_block_kv"):
+      value = getattr(self, name)
+      if (isinstance(value, bool) or not isinstance(value, int) or value < 0
+          or value % splash.BLOCK_MULTIPLE):
+        raise ValueError(f"config.model.{name}={value!r} must be 0 (the TPU generation's default) "
+                         f"or a positive multiple of {splash.BLOCK_MULTIPLE}")
     if self.attention == "cudnn":
       # Caught here rather than as a NotImplementedError from inside the first GPU compile.
       if self.dtype != "bfloat16":
@@ -156,6 +169,11 @@ class ModelConfig:
             f"config.model.head_dim={self.head_dim} must be a multiple of 8 and at most 256 "
             "(128 before Hopper) with config.model.attention='cudnn'"
         )
+    if self.attention == "splash" and self.max_seq_len % splash.BLOCK_MULTIPLE:
+      # Sampling attends over max_seq_len tokens, in whole blocks of 128.
+      raise ValueError(
+          f"config.model.max_seq_len={self.max_seq_len} must be a multiple of "
+          f"{splash.BLOCK_MULTIPLE} with config.model.attention='splash'")
 
   @property
   def activation_dtype(self) -> Any:
@@ -269,12 +287,20 @@ class Attention(nnx.Module):
     )
     self.rope_base = cfg.rope_base
     self.implementation = cfg.attention
+    self.splash_blocks = (cfg.splash_block_q, cfg.splash_block_kv)
 
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """`mesh`: the learner's, over which the splash kernel is mapped (`apply`)."""
     positions_L = jnp.arange(x_BxLxD.shape[1])
     q_BxLxHxK = apply_rope(self.q_proj(x_BxLxD), positions_L, self.rope_base)
     k_BxLxHxK = apply_rope(self.k_proj(x_BxLxD), positions_L, self.rope_base)
     v_BxLxHxK = self.v_proj(x_BxLxD)
+    if self.implementation == "splash":
+      out_BxLxHxK = splash.causal_attention(
+          q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mesh=mesh, batch_axes=_mesh_axes("batch"),
+          head_axes=_mesh_axes("heads"), block_q=self.splash_blocks[0],
+          block_kv=self.splash_blocks[1])
+      return self.o_proj(out_BxLxHxK)
     # Scale 1/sqrt(head_dim) (the default); the XLA implementation does its softmax in float32.
     out_BxLxHxK = jax.nn.dot_product_attention(
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.implementation
@@ -306,8 +332,8 @@ class Block(nnx.Module):
     self.pre_mlp_norm = RMSNorm(cfg, rngs=rngs)
     self.mlp = GatedMLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-    x_BxLxD = x_BxLxD + self.attn(self.pre_attn_norm(x_BxLxD))
+  def __call__(self, x_BxLxD: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    x_BxLxD = x_BxLxD + self.attn(self.pre_attn_norm(x_BxLxD), mesh)
     return x_BxLxD + self.mlp(self.pre_mlp_norm(x_BxLxD))
 
 
@@ -322,17 +348,18 @@ class Transformer(nnx.Module):
     self.remat = cfg.remat  # static: part of the graphdef, so `apply` reads it there
 
   def __call__(self, tokens_BxL: jax.Array,
-               constrain: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
-    return self.forward(tokens_BxL, lambda x: self._run_blocks(x, constrain), constrain)
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+               mesh: Mesh | None = None) -> jax.Array:
+    return self.forward(tokens_BxL, lambda x: self._run_blocks(x, constrain, mesh), constrain)
 
-  def _run_blocks(self, x_BxLxD: jax.Array,
-                  constrain: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  def _run_blocks(self, x_BxLxD: jax.Array, constrain: Callable[[jax.Array], jax.Array],
+                  mesh: Mesh | None) -> jax.Array:
     for block in self.layers:
       if self.remat == "none":
-        x_BxLxD = block(x_BxLxD)
+        x_BxLxD = block(x_BxLxD, mesh)
       else:
         block_graph, block_state = nnx.split(block)
-        x_BxLxD = remat_block(block_graph, self.remat)(block_state, x_BxLxD)
+        x_BxLxD = remat_block(block_graph, self.remat, mesh)(block_state, x_BxLxD)
       x_BxLxD = constrain(x_BxLxD)
     return x_BxLxD
 
@@ -352,23 +379,43 @@ class Transformer(nnx.Module):
     return self.embedder.decode(self.final_norm(x_BxLxD))
 
 
-def remat_block(block_graph: nnx.GraphDef, remat: str
+def remat_block(block_graph: nnx.GraphDef, remat: str, mesh: Mesh | None = None
                 ) -> Callable[[nnx.State, jax.Array], jax.Array]:
   """(block state, x) -> block(x), under `remat` (one of REMAT_POLICIES) for the backward pass.
 
   A pure function of the block's state, so that jax.checkpoint sees the weights as inputs (saved,
-  never recomputed) and the same wrapper serves an unrolled loop and a scan body.
+  never recomputed) and the same wrapper serves an unrolled loop and a scan body. `mesh`: where
+  the splash kernel is mapped (`apply`).
   """
   def run(block_state: nnx.State, x_BxLxD: jax.Array) -> jax.Array:
-    return nnx.merge(block_graph, block_state)(x_BxLxD)
+    return nnx.merge(block_graph, block_state)(x_BxLxD, mesh)
 
   if remat == "none":
     return run
   if remat == "auto":
     raise ValueError("config.model.remat='auto' is resolved at start-up (runtime/assembly.py "
                      "resolve_remat): build the model with the policy it picked")
-  policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
-  return jax.checkpoint(run, policy=policy)
+  return jax.checkpoint(run, policy=_checkpoint_policy(remat))
+
+
+def _checkpoint_policy(remat: str) -> Callable[..., bool] | None:
+  """jax.checkpoint's policy for `remat`. A splash kernel is no matmul to the dots policies, so
+  the one that keeps attention's matmul outputs (dots_saveable) keeps the kernel's output and
+  log-sum-exp instead (B x H x s x (K + 1): what its backward pass reads); without them it would
+  run the kernel's forward pass again."""
+  if remat == "full":
+    return None
+  policy = getattr(jax.checkpoint_policies, remat)
+  if remat == "dots_saveable":
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(splash.RESIDUALS))
+  return policy
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+  """The mesh axes `LOGICAL_AXIS_RULES` map the logical axis `logical` to."""
+  target = dict(LOGICAL_AXIS_RULES)[logical]
+  return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,23 +727,26 @@ def residual_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def apply(graphdef: nnx.GraphDef | StackedGraph, params: dict[str, jax.Array],
-          tokens_BxL: jax.Array, *, activations: jax.sharding.Sharding | None = None
-          ) -> jax.Array:
+          tokens_BxL: jax.Array, *, activations: NamedSharding | None = None,
+          mesh: Mesh | None = None) -> jax.Array:
   """Pure forward pass: float32 logits_BxLxV for `tokens_BxL` under the native `params`.
 
   `activations`: where the residual stream lives between blocks (`residual_sharding`), inside a
-  jitted step on that sharding's mesh; None leaves it to the compiler.
+  jitted step on that sharding's mesh; None leaves it to the compiler. `mesh`: the mesh the step
+  runs on, over which the splash kernel is mapped (default: `activations`' mesh; None: one
+  chip's arrays).
   """
   if activations is None:
     constrain = lambda x: x  # noqa: E731
   else:
     constrain = lambda x: jax.lax.with_sharding_constraint(x, activations)  # noqa: E731
+    mesh = mesh or activations.mesh
   if not isinstance(graphdef, StackedGraph):
-    return nnx.merge(graphdef, _state(params))(tokens_BxL, constrain)
+    return nnx.merge(graphdef, _state(params))(tokens_BxL, constrain, mesh)
   shell = nnx.merge(graphdef.shell, _state({n: v for n, v in params.items() if not _is_layer(n)}))
   stacked = _state({n[len(_LAYERS):]: v for n, v in params.items() if _is_layer(n)})
 
-  block = remat_block(graphdef.block, shell.remat)
+  block = remat_block(graphdef.block, shell.remat, mesh)
 
   def run_blocks(x_BxLxD: jax.Array) -> jax.Array:
     def body(x_BxLxD, block_state):

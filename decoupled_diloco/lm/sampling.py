@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from decoupled_diloco.lm import model as model_lib
 
@@ -32,11 +33,13 @@ def check_options(*, num_tokens: int, temperature: float, top_k: int, vocab_size
     raise ValueError(f"top_k={top_k!r} must be an integer in [0, {vocab_size}] (0 = no limit)")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"))
-def _next_token(graphdef, params, context_L, length, key, temperature, *, top_k: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "mesh"))
+def _next_token(graphdef, params, context_L, length, key, temperature, *, top_k: int,
+                mesh: Mesh | None = None):
   """The token after context_L[:length]: greedy when temperature is 0, else drawn from the
-  softmax of logits / temperature, over the top_k logits when top_k > 0."""
-  logits_V = model_lib.apply(graphdef, params, context_L[None])[0, length - 1]
+  softmax of logits / temperature, over the top_k logits when top_k > 0. `mesh`: the one the
+  parameters are sharded over (the splash kernel is mapped over it)."""
+  logits_V = model_lib.apply(graphdef, params, context_L[None], mesh=mesh)[0, length - 1]
   if top_k:
     kth = jax.lax.top_k(logits_V, top_k)[0][-1]
     logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
@@ -52,7 +55,13 @@ def lower_next_token(model_cfg: model_lib.ModelConfig, params: Mapping[str, Any]
   context_L = jax.ShapeDtypeStruct((model_cfg.max_seq_len,), jnp.int32)
   key = jax.eval_shape(jax.random.key, 0)
   return _next_token.lower(model_lib.graph(model_cfg), dict(params), context_L, 1, key, 1.0,
-                           top_k=top_k)
+                           top_k=top_k, mesh=_mesh_of(params))
+
+
+def _mesh_of(params: Mapping[str, Any]) -> Mesh | None:
+  """The mesh the parameters are sharded over, None when they are not (one device's)."""
+  sharding = getattr(next(iter(params.values())), "sharding", None)
+  return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
 def generate(model_cfg: model_lib.ModelConfig, params: Mapping[str, Any], prompt: Sequence[int],
@@ -83,5 +92,5 @@ def generate(model_cfg: model_lib.ModelConfig, params: Mapping[str, Any], prompt
     context_L[:len(context)] = context
     key, draw = jax.random.split(key)
     tokens.append(int(_next_token(graphdef, params, context_L, len(context), draw,
-                                  float(temperature), top_k=top_k)))
+                                  float(temperature), top_k=top_k, mesh=_mesh_of(params))))
   return tokens[len(prompt):]

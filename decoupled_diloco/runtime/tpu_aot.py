@@ -15,8 +15,10 @@ placed on a device, so an 8B model compiles on a laptop), with the run's shardin
 - the sampling step (lm/sampling.py), with the parameters sharded as the learner shards them.
 
 For each: HBM per chip against the chip's (runtime/hardware/memory_fit.py), matmul FLOPs and HBM bytes
-counted from the compiled HLO with loops at their trip counts, and the collectives with their bytes
-and mesh axes (runtime/hardware/hlo_analysis.py). The train step gets a roofline (runtime/core/throughput.py's
+counted from the compiled HLO with loops at their trip counts, the FLOPs and bytes of the kernels
+XLA does not see into (the splash attention kernels; runtime/hardware/kernels.py) and the custom
+calls nothing counts, and the collectives with their bytes and mesh axes
+(runtime/hardware/hlo_analysis.py). The train step gets a roofline (runtime/core/throughput.py's
 chip figures) and the analytic FLOPs of lm/flops.py beside the compiler's.
 """
 
@@ -208,11 +210,15 @@ class ProgramReport:
 class Roofline:
   """The train step's time if it ran at its chip's peak on its slowest resource."""
 
-  compute_s: float  # compiled matmul FLOPs / peak FLOP/s
+  compute_s: float  # compiled matmul and kernel FLOPs / peak FLOP/s
   hbm_s: float  # HBM bytes / HBM bandwidth
   ici_s: float | None  # collective bytes sent / ICI bandwidth (None: no ICI figure)
   tokens_per_step: int
   model_flops_per_chip: float
+  kernel_compute_s: float = 0.0  # the part of compute_s that is recognised kernels'
+  kernel_hbm_s: float = 0.0  # the part of hbm_s that is theirs
+  # lm/flops.py's causal_model_flops_per_token: the masked half of attention not counted.
+  causal_model_flops_per_chip: float = 0.0
 
   @property
   def step_s(self) -> float:
@@ -225,6 +231,10 @@ class Roofline:
 
   def mfu_ceiling(self, peak: float) -> float:
     return self.model_flops_per_chip / peak / self.step_s
+
+  def causal_mfu_ceiling(self, peak: float) -> float:
+    """The same with causal attention's masked half not counted as model FLOPs (MaxText's MFU)."""
+    return self.causal_model_flops_per_chip / peak / self.step_s
 
   @property
   def tokens_per_s(self) -> float:
@@ -357,12 +367,16 @@ def compile_learner(settings: settings_lib.RunSettings, target: LearnerTarget, *
   if train_report.hlo is not None:
     hlo = train_report.hlo
     roofline = Roofline(
-        compute_s=hlo.matmul_flops / chip.peak_flops_per_s,
+        compute_s=hlo.flops / chip.peak_flops_per_s,
         hbm_s=hlo.hbm_bytes / chip.hbm_bytes_per_s,
         ici_s=(hlo.ici_bytes_per_chip / chip.ici_bytes_per_s) if chip.ici_bytes_per_s else None,
         tokens_per_step=batch * seq_len,
         model_flops_per_chip=flops_lib.model_flops_per_token(cfg, seq_len) * batch * seq_len
-        / chips)
+        / chips,
+        kernel_compute_s=hlo.kernel_flops / chip.peak_flops_per_s,
+        kernel_hbm_s=sum(k.hbm_bytes for k in hlo.kernels) / chip.hbm_bytes_per_s,
+        causal_model_flops_per_chip=flops_lib.causal_model_flops_per_token(cfg, seq_len) * batch
+        * seq_len / chips)
   return LearnerReport(target, chip, batch, seq_len, programs, roofline)
 
 

@@ -117,7 +117,11 @@ def time_merge(settings: settings_lib.RunSettings, fragment: fragments_lib.Fragm
   shapes = model_lib.param_shapes(settings.model)
   rng = np.random.default_rng(seed)
   initial = {n: rng.standard_normal(shapes[n].shape, np.float32) * 0.02 for n in fragment.names}
-  values = {n: v + rng.standard_normal(v.shape, np.float32) * 1e-3 for n, v in initial.items()}
+  # A learner's values reach the syncer as its published device arrays (XLA's buffers, 64-byte
+  # aligned); a numpy array from the generator is 16-byte aligned, which XLA copies on every call
+  # (a 134 MB tensor: 0.12 s of the merge's 0.3 s here), a cost no run pays.
+  values = {n: jax.device_put(v + rng.standard_normal(v.shape, np.float32) * 1e-3)
+            for n, v in initial.items()}
   learners = settings.num_learners
   model = global_model.GlobalModel(
       fragments=(dataclasses.replace(fragment, index=0),), initial_params=initial,
@@ -130,9 +134,11 @@ def time_merge(settings: settings_lib.RunSettings, fragment: fragments_lib.Fragm
   worker, worker_cpu, install = [], [], []
   result = None
   for step in range(repeats + 1):
+    # The learner's anchor, as it holds it: a host view of an XLA buffer (aligned, as above).
+    anchor = {n: np.asarray(jax.device_put(a)) for n, a in model.received_fragment(0).items()}
     offers = tuple(messages.Offer(
         learner=m, fragment=0, step=step + 1, since=step, steps=1, tokens=1000,
-        anchor_version=model.version(0), values=values, anchor=model.received_fragment(0))
+        anchor_version=model.version(0), values=values, anchor=anchor)
         for m in range(learners))
     started, cpu = time.perf_counter(), time.process_time()
     screening = model.screen(0, offers)

@@ -8,10 +8,17 @@ From it:
 
 - matmul FLOPs: 2 x output elements x contracted size of every dot and convolution (a TPU
   matmul is a convolution in HLO); what lm/flops.py counts analytically, so the two compare.
+- kernels: the FLOPs and HBM bytes of each custom-call kernel kernels.py recognises (the splash
+  attention kernels), which XLA's count takes for nothing; the custom calls it cannot count are
+  listed, with their calls per program.
 - HBM bytes: operands and results of every instruction of a non-fused computation (a fusion's
   inside stays on chip), slices and in-place updates at their size, as HloCostAnalysis counts
   "bytes accessed" (within 6% of it on a loop-free chain of matmuls; on the unrolled train step
-  of a small model 0.78 of it, XLA counting some buffers twice that this does not).
+  of a small model 0.78 of it, XLA counting some buffers twice that this does not); but only the
+  arrays that live in HBM: XLA:TPU keeps buffers in VMEM too (memory space S(1) in their layout),
+  and its prefetches into VMEM (copy-start, slice-start) read from HBM only what they copy. Counted
+  as HBM traffic, those made the v6e learners of hetero_v6e_v5p look HBM-bound at 2.4x their
+  bytes (results/aot_hetero_v6e_v5p.md).
 - collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute): how many
   run per call, their bytes, the mesh axes their groups span, and the bytes each chip sends over
   ICI for them with ring algorithms: (n-1)/n of the gathered result, of the scattered operand and
@@ -30,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from decoupled_diloco.runtime.hardware import hlo_text
+from decoupled_diloco.runtime.hardware import kernels as kernels_lib
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -37,7 +45,11 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "partition-id", "replica-id", "iota", "opt-barrier", "copy-done", "all-gather-done",
          "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
-         "while", "conditional", "call"}
+         "while", "conditional", "call", "slice-done"}
+# Asynchronous copies between HBM and VMEM: what moves is the copied part, read from the source
+# and written to the destination. Where the destination sits in the result tuple: a copy-start's
+# is (destination, source, context), a slice-start's ((source), destination, context).
+_ASYNC_COPIES = {"copy-start": 0, "slice-start": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +65,35 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
+class Kernel:
+  """Calls of one recognised kernel per call of the program (kernels.py)."""
+
+  name: str
+  count: int
+  flops: float  # per chip, all its calls
+  hbm_bytes: float  # likewise
+
+
+@dataclasses.dataclass(frozen=True)
 class HloStats:
-  matmul_flops: float  # per chip per call, loops counted by their trip counts
-  hbm_bytes: float  # per chip per call, likewise
+  matmul_flops: float  # dots and convolutions, per chip per call, loops by their trip counts
+  hbm_bytes: float  # per chip per call, likewise, recognised kernels' included
   collectives: tuple[Collective, ...]
   # While loops whose trip count was not found: counted once (their numbers are lower bounds).
   unknown_trip_counts: int
+  kernels: tuple[Kernel, ...] = ()
+  # Custom calls whose FLOPs are not known (kernels.label, calls per program): their bytes are
+  # their operands and results, their FLOPs missing from `flops`.
+  uncounted: tuple[tuple[str, int], ...] = ()
+
+  @property
+  def kernel_flops(self) -> float:
+    return sum(k.flops for k in self.kernels)
+
+  @property
+  def flops(self) -> float:
+    """Everything counted: the matmuls and the recognised kernels."""
+    return self.matmul_flops + self.kernel_flops
 
   @property
   def ici_bytes_per_chip(self) -> float:
@@ -282,19 +317,27 @@ def _fusion_bytes(computations: dict[str, list[hlo_text.Instruction]], computati
 
 def _moved_bytes(ins: hlo_text.Instruction, shapes: dict[str, list[hlo_text.Array]],
                  fusions: dict[str, tuple[dict[int, float], float | None]]) -> float:
-  """HBM bytes one top-level instruction reads and writes."""
-  operands = [sum(a.nbytes for a in shapes.get(o, ())) for o in ins.operands]
-  result = sum(a.nbytes for a in ins.arrays)
+  """HBM bytes one top-level instruction reads and writes (arrays in VMEM move none)."""
+  sources = [shapes.get(o, ()) for o in ins.operands]
+  operands = [sum(a.hbm_nbytes for a in arrays) for arrays in sources]
+  result = sum(a.hbm_nbytes for a in ins.arrays)
+  in_hbm = [bool(arrays) and arrays[0].memory_space == 0 for arrays in sources]
+  if ins.opcode in _ASYNC_COPIES and len(ins.arrays) > 1 and sources:
+    destination = ins.arrays[_ASYNC_COPIES[ins.opcode]]
+    return (destination.nbytes if in_hbm[0] else 0.0) + destination.hbm_nbytes
   if ins.opcode == "dynamic-slice":
-    return 2 * result + sum(operands[1:])
+    read = sum(a.nbytes for a in ins.arrays) if in_hbm and in_hbm[0] else 0.0
+    return read + result + sum(operands[1:])
   if ins.opcode == "dynamic-update-slice" and len(operands) > 1:
-    return 2 * operands[1] + sum(operands[2:])
+    update = sum(a.nbytes for a in sources[1])
+    return operands[1] + (update if in_hbm[0] else 0.0) + sum(operands[2:])
   if ins.opcode == "fusion":
     callee = hlo_text.attribute(ins.attributes, "calls")
     reads, written = fusions.get(callee.lstrip("%") if callee else "", ({}, []))
-    operands = [reads.get(i, b) for i, b in enumerate(operands)]
+    operands = [reads.get(i, b) if in_hbm[i] else b for i, b in enumerate(operands)]
     if len(written) == len(ins.arrays):
-      result = sum(a.nbytes if w is None else w for a, w in zip(ins.arrays, written))
+      result = sum(a.hbm_nbytes if w is None or a.memory_space else w
+                   for a, w in zip(ins.arrays, written))
   return result + sum(operands)
 
 
@@ -312,6 +355,7 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
   fusions = {name: _fusion_bytes(computations, name) for name in fused}
   flops = hbm = 0.0
   found: dict[tuple[str, tuple[str, ...], int], list[float]] = {}
+  custom_calls = kernels_lib.Tally()
   for name, instructions in computations.items():
     runs = times.get(name, 0.0)
     if not runs:
@@ -319,6 +363,10 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
     shapes = {ins.name: ins.arrays for ins in instructions}
     for ins in instructions:
       flops += runs * _matmul_flops(ins, shapes)
+      moved = custom_calls.add(ins, shapes, runs) if ins.opcode == "custom-call" else None
+      if moved is not None:  # a kernel's own bytes, or none
+        hbm += moved
+        continue
       if name not in fused and ins.opcode not in _FREE:
         hbm += runs * _moved_bytes(ins, shapes, fusions)
       kind = _collective(ins)
@@ -332,4 +380,7 @@ def analyse(text: str, mesh_names: Sequence[str], mesh_shape: Sequence[int]) -> 
       entry_[2] += runs * _ici_bytes(kind, buffer, n)
   collectives = tuple(Collective(kind, axes, n, int(round(c)), b, ici)
                       for (kind, axes, n), (c, b, ici) in sorted(found.items()))
-  return HloStats(flops, hbm, collectives, unknown)
+  return HloStats(flops, hbm, collectives, unknown,
+                  tuple(Kernel(k, int(round(c)), f, b)
+                        for k, (c, f, b) in sorted(custom_calls.kernels.items())),
+                  tuple((k, int(round(c))) for k, c in sorted(custom_calls.uncounted.items())))

@@ -20,7 +20,10 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
           "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1,
           "f8e5m2fnuz": 1}
-_ARRAY = re.compile(r"\b(" + "|".join(sorted(_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+# dtype[dims]{layout}: the layout's S(n) is the array's memory space (0, unprinted: HBM; on TPU
+# 1 is VMEM, where the compiler keeps or prefetches buffers, 2 and above small scalar memories).
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_BYTES, key=len, reverse=True))
+                    + r")\[([\d,]*)\](?:\{([^}]*)\})?")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
 NAME = re.compile(r"%([\w.\-]+)")
 
@@ -31,10 +34,16 @@ class Array:
 
   dtype: str
   dims: tuple[int, ...]
+  memory_space: int = 0
 
   @property
   def nbytes(self) -> float:
     return _BYTES[self.dtype] * math.prod(self.dims)
+
+  @property
+  def hbm_nbytes(self) -> float:
+    """Its bytes if it lives in HBM (memory space 0), else none."""
+    return self.nbytes if self.memory_space == 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -84,17 +93,23 @@ def _parse_instruction(line: str) -> Instruction | None:
     return None
   operands, attributes = _balanced("(" + rest)
   return Instruction(name=name, opcode=opcode.strip(),
-                      arrays=[Array(d, tuple(int(x) for x in dims.split(",") if x))
-                              for d, dims in _ARRAY.findall(type_text)],
+                      arrays=[Array(d, tuple(int(x) for x in dims.split(",") if x),
+                                    _memory_space(layout))
+                              for d, dims, layout in _ARRAY.findall(type_text)],
                       operands=NAME.findall(operands), attributes=attributes,
                       arguments=operands.strip())
+
+
+def _memory_space(layout: str) -> int:
+  found = re.search(r"S\((\d+)\)", layout)
+  return int(found.group(1)) if found else 0
 
 
 def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
   """Instructions of every computation, and the entry computation's name."""
   computations: dict[str, list[Instruction]] = {}
   entry, current = "", None
-  for line in text.splitlines():
+  for line in _instruction_lines(text):
     header = _HEADER.match(line)
     if header:
       current = header.group(2)
@@ -102,7 +117,7 @@ def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
       if header.group(1):
         entry = current
       continue
-    if line.startswith("}"):
+    if line.strip() == "}":
       current = None
       continue
     if current is not None:
@@ -110,6 +125,23 @@ def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
       if instruction is not None:
         computations[current].append(instruction)
   return computations, entry
+
+
+def _instruction_lines(text: str) -> list[str]:
+  """The text's lines, an instruction that spans several made one: a Pallas kernel's metadata
+  (`frontend_attributes={kernel_metadata={` and a JSON object on lines of its own) breaks its
+  custom call's line, and the rest of it (`}}, metadata=...`) must neither end the computation
+  nor be lost."""
+  lines: list[str] = []
+  for line in text.splitlines():
+    stripped = line.strip()
+    starts = (not stripped or stripped == "}" or _HEADER.match(line)
+              or stripped.startswith(("%", "ROOT ", "ENTRY ", "HloModule", "//")))
+    if lines and not starts and lines[-1].lstrip().startswith(("%", "ROOT ")):
+      lines[-1] += " " + stripped
+    else:
+      lines.append(line)
+  return lines
 
 
 def attribute(attributes: str, key: str) -> str | None:
