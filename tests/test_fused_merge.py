@@ -144,3 +144,28 @@ def test_the_fused_screen_rejects_what_the_reference_rejects():
   assert [r[:2] for r in got_rejected] == [r[:2] for r in want_rejected] == [
       (0, "nonfinite"), (2, "outlier")]
   np.testing.assert_allclose(got_rejected[1][2], want_rejected[1][2], rtol=REL_TOL)
+
+
+@pytest.mark.parametrize("outer_grad", ["bf16", "int8", "int4"])
+def test_an_offer_carried_in_the_wire_format_merges_as_the_reference_merges_its_values(outer_grad):
+  """A learner in another process sends Delta_m encoded (`Offer.for_the_wire`): the fused merge
+  takes its decoded values as they came and lands where the reference merge of the learner's own
+  values lands (which rounds them through the same encoder once)."""
+  fused = _model(True, outer_grad)
+  reference = _model(False, outer_grad)
+  for p in range(len(reference.fragments)):
+    anchor = reference.received_fragment(p)
+    offers = _offers(reference, p, 0, anchor)
+    block_size = default_settings("compression").block_size
+    carried = tuple(o.for_the_wire(outer_grad, block_size) for o in offers)
+    got_screen, want_screen = fused.screen(p, carried), reference.screen(p, offers)
+    assert len(got_screen.accepted) == len(want_screen.accepted) == len(OFFERING)
+    # The screen's norm of a carried offer is that of its decoded values (the syncer never saw
+    # the raw ones): within the format's rounding of the raw norm.
+    np.testing.assert_allclose(got_screen.norms, want_screen.norms,
+                               rtol={"bf16": 1e-3, "int8": 1e-2, "int4": 0.1}[outer_grad])
+    got = fused.merge(p, got_screen.accepted, got_screen.prepared)
+    want = reference.merge(p, want_screen.accepted, want_screen.prepared)
+    assert got.bytes_up == want.bytes_up
+    for name in want.theta:
+      assert _relative(got.theta[name], want.theta[name]) <= REL_TOL, (p, name)

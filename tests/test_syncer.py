@@ -217,6 +217,45 @@ def test_offer_that_lands_after_its_round_closed_gets_weight_zero(running):
   assert syncer.stats.late_offers == 1
 
 
+class _OnItsWay(messages.PendingAnswer):
+  """An answer from a learner's process that lands once `NotLanded.landed` is set."""
+
+  def __init__(self, answer):
+    self._answer = answer
+
+  @property
+  def in_host_memory(self):
+    return NotLanded.landed.is_set()
+
+  def result(self):
+    return self._answer
+
+
+@pytest.mark.parametrize("late", ["copy_to_host", "offer_from_another_process",
+                                  "nothing_from_another_process"])
+def test_every_offer_taken_counts_as_sent_merged_or_not(running, late):
+  """bytes_offered: what crossed the network learner -> syncer, the offers no merge took in
+  included (a late one, still copying or still on its way when its round closed, read once it
+  lands); an answer that lands as no offer carries none. bytes_up: the merged ones only."""
+  syncer, (a, b) = _syncer(quorum=1, grace_gamma=0.0)
+  NotLanded.landed.clear()
+  a.answers[1] = _offer(syncer, 0, 1, 1.0, step=1)
+  b.answers[1] = {
+      "copy_to_host": lambda: _offer(syncer, 1, 1, 5.0, step=1, cls=NotLanded),
+      "offer_from_another_process": lambda: _OnItsWay(_offer(syncer, 1, 1, 5.0, step=1)),
+      "nothing_from_another_process": lambda: _OnItsWay(messages.Answer.NOTHING)}[late]()
+  running(syncer)
+  _step(syncer, [0, 1], 1)
+  _wait(lambda: syncer.tape)
+  one = syncer.model.offer_wire_bytes(1)
+  assert one == 4 * sum(syncer.model.fragments[1].sizes)  # fp32 outer gradients here
+  assert syncer.stats.late_offers == 1
+  NotLanded.landed.set()
+  sent = one if late == "nothing_from_another_process" else 2 * one
+  _wait(lambda: syncer.stats.bytes_offered == sent)
+  assert syncer.stats.bytes_up == one
+
+
 def test_offer_holding_merged_steps_is_refused_whatever_the_learner_says(running):
   """A learner that ignores merged_through (or a reordered message) cannot get steps merged twice:
   the syncer itself refuses an offer whose steps start before the last step merged."""

@@ -55,6 +55,9 @@ def run_summary(run: run_lib.Run, evals, train_seconds: float, wall_seconds: flo
       "eval_seconds": sum(e["seconds"] for e in evals),
       "bytes_learner_syncer": stats.bytes_up + stats.bytes_down,
       "bytes_learner_to_syncer": stats.bytes_up,
+      # Every offer the syncer took, merged or not (late, judged stale): what crossed the
+      # network learner -> syncer; bytes_learner_to_syncer counts the merged ones.
+      "bytes_offers_taken": stats.bytes_offered,
       "bytes_syncer_to_learners": stats.bytes_down,
       "bytes_syncer_allreduce": stats.bytes_allreduce,
       # compression.broadcast_delta: broadcasts that went out whole (Theta_p, not a delta).

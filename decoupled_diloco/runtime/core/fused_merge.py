@@ -315,6 +315,8 @@ class FusedMerge:
   def _dispatch_prepare(self, offer: messages.Offer, name: str):
     if self._fmt is None:
       return ("fp32",) + self._numpy_wire(offer, name)[1:] + (True,)
+    if offer.encoded is not None:
+      return ("fp32",) + self._carried_wire(offer, name) + (True,)
     anchor = offer.anchor[name]
     values = np.asarray(offer.values[name], np.float32)  # no copy for a float32 host array
     program = self._prepare_program(values.shape, self._fmt)
@@ -323,6 +325,14 @@ class FusedMerge:
     if dec_sq is None:
       dec_sq = self._decoded_sumsq_program(values.shape)(*wire)
     return (self._fmt, wire, raw_sq, dec_sq, exact)
+
+  def _carried_wire(self, offer: messages.Offer, name: str):
+    """An offer that crossed a network carries Delta_m encoded already (`Offer.for_the_wire`):
+    its decoded values travel on as fp32, rounded once, where the learner encoded them. Its raw
+    norm is the decoded one: the syncer never saw another."""
+    decoded = offer.outer_gradient(name)
+    squares = np.square(decoded, dtype=np.float64).reshape(-1)
+    return (decoded,), squares, squares
 
   def _numpy_wire(self, offer: messages.Offer, name: str):
     """The numpy encoder's round trip of one tensor, travelling on as fp32 (int1, subnormals)."""

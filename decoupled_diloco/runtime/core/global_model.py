@@ -252,6 +252,12 @@ class GlobalModel:
     with self._lock:
       return dict(self._theta[p])
 
+  def offer_wire_bytes(self, p: int) -> int:
+    """Bytes of one learner's outer gradient of fragment p in the wire format."""
+    fmt = self._compression
+    return sum(compression_lib.encoded_nbytes(n, fmt.outer_grad, fmt.block_size)
+               for n in self.fragments[p].sizes)
+
   def version(self, p: int) -> int:
     return self._versions[p]
 
@@ -362,8 +368,8 @@ class GlobalModel:
       t0 = time.monotonic()
       stacked = np.zeros((self._padded_learners,) + theta_p[name].shape, np.float32)
       for offer in offers:
-        encoded = compression_lib.encode(offer.outer_gradient(name), wire_formats.outer_grad,
-                                         wire_formats.block_size)
+        encoded = offer.wire_outer_gradient(name, wire_formats.outer_grad,
+                                            wire_formats.block_size)
         bytes_up += encoded.nbytes
         stacked[offer.learner] = compression_lib.decode(encoded)
         if self._merge.anchor == "syncer":

@@ -301,6 +301,11 @@ class Learner:
   def published(self) -> messages.Publication:
     return self._published
 
+  @property
+  def training(self) -> bool:
+    """Whether its latest publication is of a learner still training (the syncer's attach)."""
+    return self._published.training
+
   def params(self) -> dict[str, jax.Array]:
     """The latest published parameters, native layout (for evaluation; never blocks the learner)."""
     return dict(self._published.params)

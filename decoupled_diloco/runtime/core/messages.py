@@ -111,6 +111,11 @@ class Offer:
   `values` are the learner's device arrays (immutable, copying to host already); `anchor` is the host
   copy of the Theta_p the learner last received, version `anchor_version`. The counters are
   c_steps[m, p] and c_tokens[m, p] over the steps (since, step].
+
+  An offer that crosses a network (a learner in a process of its own, runtime/transport/
+  ray_runtime.py) carries its outer gradient already in the wire format instead (`encoded`, from
+  `for_the_wire`): the bytes the syncer counts are then the bytes that travel, not the fp32 values
+  and anchor, four times a bf16 outer gradient.
   """
 
   learner: int
@@ -124,6 +129,9 @@ class Offer:
   anchor: dict[str, np.ndarray]
   incarnation: int = 0
   publication: int = 0  # the index of the publication it was taken from (Publication.index)
+  # Delta_m of each tensor in the wire format, made where the learner runs; `values` and `anchor`
+  # are then empty. None: the syncer computes Delta_m from them.
+  encoded: dict[str, compression.Encoded] | None = None
 
   @property
   def fresh(self) -> bool:
@@ -136,17 +144,36 @@ class Offer:
 
   @property
   def nbytes(self) -> int:
-    """Host bytes the syncer holds for this offer once its copy has landed (fp32 values)."""
+    """Host bytes the syncer holds for this offer once its copy has landed (fp32 values, or the
+    encoded outer gradient)."""
+    if self.encoded is not None:
+      return compression.tree_nbytes(self.encoded)
     return sum(4 * int(np.prod(v.shape)) for v in self.values.values())
 
   def outer_gradient(self, name: str) -> np.ndarray:
     """Delta_m = anchor - theta_m of one tensor, float32."""
+    if self.encoded is not None:
+      return compression.decode(self.encoded[name])
     return self.anchor[name] - np.asarray(self.values[name], dtype=np.float32)
 
-  def encode_outer_gradient(self, fmt: str, block_size: int) -> dict[str, compression.Encoded]:
-    """Delta_m encoded in the wire format (runs on the learner's host CPU in a multi-host run)."""
-    return {name: compression.encode(self.outer_gradient(name), fmt, block_size)
-            for name in sorted(self.values)}
+  def wire_outer_gradient(self, name: str, fmt: str, block_size: int) -> compression.Encoded:
+    """Delta_m of one tensor in wire format `fmt`: the one it carries if it is in that format."""
+    carried = (self.encoded or {}).get(name)
+    if carried is not None and (carried.fmt, carried.block_size) == (fmt, block_size):
+      return carried
+    return compression.encode(self.outer_gradient(name), fmt, block_size)
+
+  def for_the_wire(self, fmt: str, block_size: int) -> "Offer":
+    """This offer carrying Delta_m in wire format `fmt` instead of its values and anchor (runs
+    where the learner runs). A tensor whose Delta_m is not finite goes as fp32, which every value
+    fits: the syncer's screen rejects it (runtime/core/global_model.py), where an integer format
+    could not even encode it."""
+    encoded = {}
+    for name in sorted(self.values):
+      delta = self.outer_gradient(name)
+      encoded[name] = compression.encode(delta, fmt if np.all(np.isfinite(delta)) else "fp32",
+                                         block_size)
+    return dataclasses.replace(self, values={}, anchor={}, encoded=encoded)
 
 
 class Answer(enum.Enum):

@@ -87,5 +87,9 @@ class PartitionedLink:
     # Read for checkpoints only, by the controller's side: not a message on this link.
     return self._link.published
 
+  @property
+  def training(self) -> bool:
+    return self._link.training  # read at attach, by the controller's side too
+
   def want_full_state(self, seconds: float) -> None:
     self._link.want_full_state(seconds)  # for checkpoints too: not a message either

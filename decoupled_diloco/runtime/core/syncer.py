@@ -174,6 +174,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._merged_through: dict[tuple[int, int], int] = {}
     self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
     self._rounds: dict[int, syncer_rounds.Round] = {}
+    self._late_answers = []
     self._merging: set[int] = set()
     self._owed: set[int] = set()  # fell due while in flight: opened as soon as it is back
     self._clock = 0
@@ -477,8 +478,9 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
         if version > held:
           message.link.deliver(messages.Broadcast(p, version, wire))
     self._advance_clock()
-    published = getattr(message.link, "published", None)
-    if published is None or published.training:
+    # Not the whole publication: over a network that would carry the learner's state (with
+    # AdamW's moments, four times the model) for one flag.
+    if getattr(message.link, "training", True):
       # A learner that finished while no syncer listened (its TrainingDone was lost) is not
       # training; one that finishes from now on says so after this.
       self._training.add(m)

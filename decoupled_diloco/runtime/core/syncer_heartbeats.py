@@ -78,8 +78,10 @@ class SyncerHeartbeats:
     self.stats.absences += 1
     for round_ in self._rounds.values():
       # Its offers still on their way are late: weight 0 (the flush still waits for them).
-      if not round_.final and round_.copying.pop(m, None) is not None:
+      taken = None if round_.final else round_.copying.pop(m, None)
+      if taken is not None:
         self.stats.late_offers += 1
+        self._count_in_flight([taken], round_.fragment)
     record = {"learner": m, "incarnation": self._incarnations.get(m, 0),
               "step": self._learner_steps.get(m, 0),
               "silent_s": round(now - self._last_report_at.get(m, now), 3),

@@ -30,6 +30,9 @@ from decoupled_diloco.algorithm import robust
 from decoupled_diloco.runtime.core import global_model as global_model_lib
 from decoupled_diloco.runtime.core import messages
 
+# How long an answer given up (its round closed first) is waited for, for its bytes only
+_LATE_ANSWER_WAIT_S = 30.0
+
 
 class LearnerLink(Protocol):
   """What the syncer calls on a learner; none of it waits for the learner's step loop."""
@@ -42,6 +45,10 @@ class LearnerLink(Protocol):
 
   @property
   def published(self) -> messages.Publication:  # only for checkpoints (request_cut)
+    ...
+
+  @property
+  def training(self) -> bool:  # its latest publication's: read when it attaches
     ...
 
   def want_full_state(self, seconds: float) -> None:  # publications with the optimizer state
@@ -81,6 +88,9 @@ class SyncerStats:
   final_merges: int = 0  # merges of the flush after training
   merges_due: int = 0  # times a fragment fell due during training
   bytes_up: int = 0  # learner -> syncer, encoded outer gradients
+  # learner -> syncer, every offer taken, merged or not (late, judged stale), encoded: what
+  # crossed the network (the interface counters of scripts/bench_sites.py see these)
+  bytes_offered: int = 0
   bytes_down: int = 0  # syncer -> learners, encoded Theta_p, once per receiving learner
   bytes_allreduce: int = 0  # across syncer shards (ring all-reduce of the merge terms)
   late_offers: int = 0  # taken, but landed after their round closed: weight 0
@@ -133,11 +143,16 @@ class SyncerRounds:
   _cut: Any  # syncer_state.CutRequest | None: no round opens while a cut is asked for
   _flush_state: str
   _flush_done: threading.Event
+  # Answers from other processes still on their way when their round closed: (answer, fragment,
+  # when), read for bytes_offered once they land (`_count_late_answers`)
+  _late_answers: list[tuple[messages.PendingAnswer, int, float]]
   stats: SyncerStats
 
   def _wait_timeout(self) -> float:
     if any(r.copying for r in self._rounds.values()):
       return 0.002  # poll the copies in flight; the syncer never blocks on a learner's device
+    if self._late_answers:
+      return 0.01  # late answers, read for their bytes only
     if any(r.poll for r in self._rounds.values()):
       return 0.005  # a learner may publish without a step (it applied a merge after training)
     deadlines = [r.deadline for r in self._rounds.values() if r.deadline is not None]
@@ -208,6 +223,8 @@ class SyncerRounds:
     """Learner m's answer to round_: an offer (still copying to host RAM, or landed), or none."""
     p = round_.fragment
     merged_through = self._merged_through.get((m, p), 0)
+    if isinstance(answer, messages.Offer):
+      self.stats.bytes_offered += self.model.offer_wire_bytes(p)  # taken: it travelled
     if isinstance(answer, messages.Offer) and (
         answer.since < merged_through or answer.anchor_version < self._min_anchor[p]):
       answer = messages.Answer.STALE  # holds merged steps, whatever the learner says
@@ -225,6 +242,7 @@ class SyncerRounds:
   def _accept_pushed(self, offer: messages.Offer) -> None:
     """Lock-step learners push their offers; the first one of a fragment opens its round."""
     p = offer.fragment
+    self.stats.bytes_offered += self.model.offer_wire_bytes(p)
     round_ = self._rounds.get(p)
     if round_ is None and p not in self._merging and self._flush_state == "none":
       round_ = self._open_round(p, offer.step, poll=False)
@@ -238,6 +256,8 @@ class SyncerRounds:
 
   def _collect_landed_offers(self) -> None:
     """Offers enter their round once their copy to host RAM has landed."""
+    if self._late_answers:
+      self._count_late_answers()
     now = self._now()
     for round_ in self._rounds.values():
       for m, (offer, _) in list(round_.copying.items()):
@@ -289,10 +309,30 @@ class SyncerRounds:
         # Everyone live has answered and the quorum is still out of reach: nothing to merge.
         self._close(round_, [])
 
+  def _count_in_flight(self, copying, p: int) -> None:
+    """Answers still on their way from another process, given up: their bytes travel all the
+    same. Each is read once it lands (`_count_late_answers`): an offer counts, a STALE or NOTHING
+    does not, and one that never lands (its learner cut off, or gone) never travelled."""
+    now = self._now()
+    self._late_answers.extend((answer, p, now) for answer, _ in copying
+                          if isinstance(answer, messages.PendingAnswer))
+
+  def _count_late_answers(self) -> None:
+    """bytes_offered of the given-up answers that have landed since (`_count_in_flight`)."""
+    now, waiting = self._now(), []
+    for answer, p, since in self._late_answers:
+      if answer.in_host_memory:
+        if isinstance(answer.result(), messages.Offer):
+          self.stats.bytes_offered += self.model.offer_wire_bytes(p)
+      elif now - since < _LATE_ANSWER_WAIT_S:
+        waiting.append((answer, p, since))
+    self._late_answers = waiting
+
   def _close(self, round_: Round, offers: list[messages.Offer]) -> None:
     p = round_.fragment
     del self._rounds[p]
     self.stats.late_offers += len(round_.copying)  # taken, still copying: weight 0
+    self._count_in_flight(round_.copying.values(), p)
     if not offers:
       if not any(o.fresh for o in round_.offers.values()) and not (self._live & self._training):
         self.stats.empty_rounds += 1  # nobody had a step left: no quorum was missed

@@ -156,6 +156,17 @@ class ActorLearnerLink:
     self._actor.want_full_state.remote(seconds, self._incarnation, self._mac("want_full_state"))
 
   @property
+  def training(self) -> bool:
+    """Whether the learner's latest publication is of a learner still training: one flag, not
+    the publication's arrays. True while its process is down (its exit says otherwise)."""
+    import ray  # pylint: disable=g-import-not-at-top
+    try:
+      return ray.get(self._actor.training.remote(self._incarnation, self._mac("training")),
+                     timeout=plumbing.CALL_TIMEOUT_S)
+    except Exception:  # pylint: disable=broad-except
+      return True
+
+  @property
   def published(self) -> messages.Publication:
     """The learner's latest publication; while its process is down or restarting (a checkpoint's
     cut may ask meanwhile), a stand-in with no state and no Theta_p version, which no cut takes."""

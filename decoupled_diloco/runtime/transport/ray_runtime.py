@@ -370,9 +370,10 @@ class LearnerProcess:
     self._check(mac, "offer", incarnation, f"{p}")
     answer = self._learner.offer(p, merged_through)
     if isinstance(answer, messages.Offer):
-      # Host arrays: the object store carries them to the syncer's process.
-      answer = dataclasses.replace(answer, values={n: np.asarray(v, np.float32)
-                                                   for n, v in answer.values.items()})
+      # Delta_m in the wire format, encoded here: what crosses the network is what the syncer
+      # counts (summary.json's bytes_learner_to_syncer), as a learner's host would send it.
+      compression = self._settings.compression
+      answer = answer.for_the_wire(compression.outer_grad, compression.block_size)
     return answer
 
   def deliver(self, broadcast: messages.Broadcast, incarnation: int, mac: str) -> bool:
@@ -404,6 +405,11 @@ class LearnerProcess:
                                opt_state=_host(published.opt_state),
                                state_step=_host(published.state_step))
 
+  def training(self, incarnation: int, mac: str) -> bool:
+    """Whether the latest publication is of a learner still training (the syncer's attach)."""
+    self._check(mac, "training", incarnation)
+    return self._learner.training
+
   def stop(self, incarnation: int, mac: str) -> None:
     self._check(mac, "stop", incarnation)
     self._learner.stop()
@@ -416,6 +422,9 @@ class LearnerProcess:
     """What happened since the last poll: posts, metrics records, and the learner's status."""
     posts, records = self._outbox.take(timeout_s)
     learner = self._learner
+    # Whether it lives is read before its status: a thread that applies the flush's broadcast and
+    # ends between the two would otherwise leave the watcher its counters from before the apply
+    # (summary.json's unmerged_at_end counted merged tokens again).
+    alive = learner.alive or not self._started
     return {"status": learner.status(), "posts": posts, "records": records,
-            "thread_alive": learner.alive or not self._started,
-            "rejected_calls": self.rejected_calls}
+            "thread_alive": alive, "rejected_calls": self.rejected_calls}
