@@ -147,7 +147,7 @@ class SyncerSettings:
   num_devices: int  # CPU devices of the syncer mesh (of each shard's); 0 in dp mode (no syncer)
   num_workers: int  # threads that run merges of different fragments at once (in each shard)
   # Each merge holds its worker for this many steps of the fastest learner: a syncer slower than
-  # the learners, emulated (runtime/core/merge_hold.py). 0 = none; 0 in dp mode (no syncer).
+  # the learners, emulated (runtime/core/syncer/merge_hold.py). 0 = none; 0 in dp mode (no syncer).
   merge_delay_steps: int
   # Shards of the syncer, each owning some fragments (algorithm/shards.py); 1 = not sharded, and
   # in dp mode and a replay (which merges on one global model in the recorded order).

@@ -43,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from decoupled_diloco import errors  # pylint: disable=g-import-not-at-top
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.runtime.core import slices
-from decoupled_diloco.runtime.core import syncer_load
+from decoupled_diloco.runtime.core.syncer import load as syncer_load
 from decoupled_diloco.runtime import tpu_aot
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")

@@ -15,8 +15,8 @@ import pytest
 from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import learner_status
-from decoupled_diloco.runtime.core import sharded_syncer
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import sharded as sharded_syncer
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.transport import ray_learner
 from decoupled_diloco.runtime.transport import ray_syncer
 

@@ -23,9 +23,9 @@ from decoupled_diloco.runtime import train
 from decoupled_diloco.runtime.control import run as run_lib
 from decoupled_diloco.runtime.control import shard_keeper
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime.core import sharded_syncer
-from decoupled_diloco.runtime.core import syncer as syncer_lib
-from decoupled_diloco.runtime.core import syncer_rounds
+from decoupled_diloco.runtime.core.syncer import sharded as sharded_syncer
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import rounds as syncer_rounds
 from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
 from decoupled_diloco.settings import SyncSettings
 

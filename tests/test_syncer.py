@@ -21,7 +21,7 @@ from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.settings import SyncSettings
 
 NOTHING, STALE = messages.Answer.NOTHING, messages.Answer.STALE

@@ -1,11 +1,11 @@
-"""The syncer's sizing (runtime/core/syncer_load.py): merges due per second, cores, and per shard."""
+"""The syncer's sizing (runtime/core/syncer/load.py): merges due per second, cores, and per shard."""
 
 import math
 
 import pytest
 
 from decoupled_diloco.algorithm import shards as shards_lib
-from decoupled_diloco.runtime.core import syncer_load
+from decoupled_diloco.runtime.core.syncer import load as syncer_load
 
 
 def _load(fragment_params, worker_cpu_s=1.0, timed_params=100, step_s=1.0, period=4):

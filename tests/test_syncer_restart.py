@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime import train
 from tests.conftest import tiny_settings
 

@@ -41,7 +41,7 @@ from decoupled_diloco.runtime.core import agreement as agreement_lib
 from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import learner_state
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.hardware import device_memory
 from decoupled_diloco.runtime.hardware import memory_fit
 

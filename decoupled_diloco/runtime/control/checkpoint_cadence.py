@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco.runtime.control import run as run_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib
 from decoupled_diloco.runtime.records import goodput as goodput_lib
 from decoupled_diloco.runtime.records import job_state

@@ -23,7 +23,7 @@ from decoupled_diloco.runtime.control import run as run_lib
 from decoupled_diloco.runtime.control import signals
 from decoupled_diloco.runtime.control import summary as summary_lib
 from decoupled_diloco.runtime.control import supervisor as supervisor_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.records import goodput as goodput_lib
 
 

@@ -34,7 +34,7 @@ from decoupled_diloco.runtime.core import devices as devices_lib
 from decoupled_diloco.runtime.core import learner_state
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import pathways
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.faults import checkpoint_faults
 from decoupled_diloco.runtime.faults import injector as injector_lib
 from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib

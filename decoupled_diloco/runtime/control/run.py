@@ -21,7 +21,7 @@ from decoupled_diloco.runtime.control import supervisor as supervisor_lib
 from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import metrics as metrics_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.faults import checkpoint_faults
 from decoupled_diloco.runtime.faults import injector as injector_lib
 from decoupled_diloco.runtime.records import checkpoints as checkpoints_lib

@@ -24,7 +24,7 @@ from decoupled_diloco import chaos
 from decoupled_diloco.runtime.control import syncer_keeper as keeper_lib
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import network as network_lib
-from decoupled_diloco.runtime.core import sharded_syncer
+from decoupled_diloco.runtime.core.syncer import sharded as sharded_syncer
 
 
 def build_shards(make_shard: Callable[[int], Any], owner: Sequence[int],

@@ -16,7 +16,7 @@ from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.lm import flops as flops_lib
 from decoupled_diloco.runtime.control import run as run_lib
 from decoupled_diloco.runtime.control import supervisor as supervisor_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 from decoupled_diloco.runtime.core import throughput as throughput_lib
 
 

@@ -55,7 +55,7 @@ from decoupled_diloco.runtime.control import slice_watch as slice_watch_lib
 from decoupled_diloco.runtime.core import handles
 from decoupled_diloco.runtime.core import learner as learner_lib
 from decoupled_diloco.runtime.core import metrics as metrics_lib
-from decoupled_diloco.runtime.core import syncer as syncer_lib
+from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib
 # Here too, for callers of `supervisor.rejoin_snapshot`.
 from decoupled_diloco.runtime.core.rejoin import rejoin_snapshot
 

@@ -246,7 +246,7 @@ class RemoteSyncer:
   """The command's handle on the syncer's process, read as a `Syncer` is read."""
 
   def __init__(self, actor, secret: bytes, metrics, *, stats=None, tape=None, shard=None):
-    from decoupled_diloco.runtime.core import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
+    from decoupled_diloco.runtime.core.syncer import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
     self._actor, self._secret, self._metrics = actor, secret, metrics
     self.shard = shard  # of a sharded syncer; None: the syncer is one process
     self.pid = self.get("pid")

@@ -47,15 +47,15 @@ broadcast that includes R_p, one more copy of the parameters), plus the host cop
 of the offers in open rounds (at most one per live learner per open round). Nothing grows with the
 number of steps.
 
-Sharded (config.syncer.num_shards > 1, `runtime/core/sharded_syncer.py`): each shard is one of
+Sharded (config.syncer.num_shards > 1, `runtime/core/syncer/sharded.py`): each shard is one of
 these over the fragments it owns (`owned`, `algorithm/shards.py`), with their Theta_p, outer states,
 rounds, merges and checkpoint; it hears every learner's reports, and opens, merges and broadcasts
 rounds of its own fragments only. Fragments keep their numbers 0..P-1 everywhere.
 
 The syncer is one class in five files, each a part of it over the same state, on the same thread:
-this one (set-up, the controller's calls, the inbox), `syncer_rounds.py` (rounds, quorum, grace,
-the flush), `syncer_merge.py` (the merge worker; install, broadcast, record),
-`syncer_heartbeats.py` (absent learners) and `syncer_state.py` (checkpoints, the consistent cut).
+this one (set-up, the controller's calls, the inbox), `syncer/rounds.py` (rounds, quorum, grace,
+the flush), `syncer/merges.py` (the merge worker; install, broadcast, record),
+`syncer/heartbeats.py` (absent learners) and `syncer/state.py` (checkpoints, the consistent cut).
 """
 
 from __future__ import annotations
@@ -77,17 +77,17 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
-from decoupled_diloco.runtime.core import merge_hold
+from decoupled_diloco.runtime.core.syncer import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
 from decoupled_diloco.runtime.core import network as network_lib
-from decoupled_diloco.runtime.core import syncer_heartbeats
-from decoupled_diloco.runtime.core import syncer_merge
-from decoupled_diloco.runtime.core import syncer_rounds
-from decoupled_diloco.runtime.core import syncer_state
+from decoupled_diloco.runtime.core.syncer import heartbeats as syncer_heartbeats
+from decoupled_diloco.runtime.core.syncer import merges as syncer_merge
+from decoupled_diloco.runtime.core.syncer import rounds as syncer_rounds
+from decoupled_diloco.runtime.core.syncer import state as syncer_state
 # The syncer's public types, defined beside the code that fills them.
-from decoupled_diloco.runtime.core.syncer_rounds import LearnerLink, SyncerStats
-from decoupled_diloco.runtime.core.syncer_state import SyncerCut  # pylint: disable=unused-import
+from decoupled_diloco.runtime.core.syncer.rounds import LearnerLink, SyncerStats
+from decoupled_diloco.runtime.core.syncer.state import SyncerCut  # pylint: disable=unused-import
 
 _FLUSH = object()  # flush() asks for the final rounds through the inbox
 _CATCH_UP = object()  # a restarted syncer opens a round for every fragment
@@ -284,7 +284,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
 
     `hold` (a shard of a sharded syncer; a token naming the request): after its cut the syncer
     opens no round until `release_cut(hold)` (or `timeout_s` more), so that its fragments'
-    versions stay those of its cut while the other shards take theirs (`sharded_syncer.py`); a
+    versions stay those of its cut while the other shards take theirs (`syncer/sharded.py`); a
     release before the cut came withdraws the request.
     """
     future: concurrent.futures.Future = concurrent.futures.Future()

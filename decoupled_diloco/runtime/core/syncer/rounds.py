@@ -6,10 +6,10 @@ fastest learner still training (or, in the lock-step modes, at the first pushed 
 fragment from every live learner's latest publication, lets each taken offer land in host RAM, and
 closes once K fresh offers are in and the adaptive grace window has passed (or every live learner
 has answered); a lock-step round is a barrier instead, and the flush's final rounds wait for every
-live learner. A closed round with offers goes to a merge worker (`syncer_merge.py`); a fragment
+live learner. A closed round with offers goes to a merge worker (`syncer/merges.py`); a fragment
 that fell due meanwhile is owed, and opened as soon as it is back.
 
-These are methods of `Syncer` (`syncer.py`), run on the syncer's thread over the state its
+These are methods of `Syncer` (`syncer/syncer.py`), run on the syncer's thread over the state its
 `__init__` sets up; the data types here are the ones every part of the syncer shares.
 """
 

@@ -6,7 +6,7 @@ restores it before the syncer starts, and `recover` adds what the live learners 
 A cut (`Syncer.request_cut`) is the syncer's state and every live learner's publication at one
 instant with no merge in flight: a job checkpoint's content.
 
-These are methods of `Syncer` (`syncer.py`), over the state its `__init__` sets up.
+These are methods of `Syncer` (`syncer/syncer.py`), over the state its `__init__` sets up.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime.core import syncer_rounds
+from decoupled_diloco.runtime.core.syncer import rounds as syncer_rounds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,8 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco.runtime.core import messages
-from decoupled_diloco.runtime.core import syncer_rounds
-from decoupled_diloco.runtime.core import syncer_state
+from decoupled_diloco.runtime.core.syncer import rounds as syncer_rounds
+from decoupled_diloco.runtime.core.syncer import state as syncer_state
 
 # Counters every shard keeps for the same learner events (it hears every report): the whole
 # syncer saw each once.

@@ -9,7 +9,7 @@ delta's base version, a keyframe to every other one. Every broadcast names, for 
 last offer of it that a merge of the fragment took, so a learner that lost the broadcast of that
 merge still counts those steps as merged, not discarded.
 
-These are methods of `Syncer` (`syncer.py`), over the state its `__init__` sets up.
+These are methods of `Syncer` (`syncer/syncer.py`), over the state its `__init__` sets up.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.algorithm import tape as tape_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
-from decoupled_diloco.runtime.core import merge_hold
+from decoupled_diloco.runtime.core.syncer import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
-from decoupled_diloco.runtime.core import syncer_rounds
+from decoupled_diloco.runtime.core.syncer import rounds as syncer_rounds
 
 _FLOAT_BYTES = 4
 
@@ -83,7 +83,7 @@ class SyncerMerges:
     `_compute_merge`'s result).
 
     With config.syncer.merge_delay_steps the worker first holds the merge for that many learner
-    steps (`merge_hold.py`): the time a slower syncer would take, counted as its queue time."""
+    steps (`syncer/merge_hold.py`): the time a slower syncer would take, counted as its queue time."""
     self._merge_hold.wait(max(o.step for o in offers), lambda: self._clock,
                           self._merges_released)
     started = self._now()

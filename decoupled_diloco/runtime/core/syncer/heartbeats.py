@@ -7,7 +7,7 @@ every broadcast (a hung learner applies them when it wakes). Its next report tak
 syncer then sends it every Theta_p newer than the versions that report says it holds: broadcasts
 lost on the way (a partition, `runtime/core/network.py`) are made good.
 
-These are methods of `Syncer` (`syncer.py`), run on the syncer's thread over the state its
+These are methods of `Syncer` (`syncer/syncer.py`), run on the syncer's thread over the state its
 `__init__` sets up.
 """
 
@@ -24,7 +24,7 @@ from decoupled_diloco.algorithm import heartbeat
 from decoupled_diloco.runtime.core import global_model as global_model_lib
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
-from decoupled_diloco.runtime.core import syncer_rounds
+from decoupled_diloco.runtime.core.syncer import rounds as syncer_rounds
 
 
 class SyncerHeartbeats:
