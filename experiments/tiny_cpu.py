@@ -282,7 +282,7 @@ def get_config() -> ml_collections.ConfigDict:
   # The splash kernel's query / key block sizes: multiples of 128 that divide data.seq_len; 0 = the
   # default for the learner's TPU generation (1024 on v6e, 512 on the others: lm/splash.py).
   config.model.splash_block_q = 0
-  config.model.splash_block_kv = 0
+  config.model.splash_block_kv = 0  # the key / value block: as splash_block_q
   # Recompute block activations in the backward pass: none | full | a jax.checkpoint_policies name
   # (dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, everything_saveable).
   config.model.remat = "none"

@@ -214,3 +214,13 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="dd_jax_cache_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_collection_modifyitems(config, items):
+  """tests/test_emulated_sites.py runs last: its driver joins a Ray cluster in network namespaces,
+  and after that a `ray.cluster_utils.Cluster` started in the same process (tests/test_ray_cluster.py)
+  had an actor cancelled before it ran (reproduced 2 of 2; the cause is open, docs/testing.md)."""
+  del config
+  last = [item for item in items if item.nodeid.startswith("tests/test_emulated_sites.py")]
+  if last:
+    items[:] = [item for item in items if item not in last] + last

@@ -75,6 +75,7 @@ def test_a_run_built_again_in_the_same_process_reuses_its_compiled_steps(tmp_pat
     train.execute(run, progress=False)  # closes its files
 
 
+@pytest.mark.slow  # 9 s; the cache's reuse test stays in the default suite
 def test_learners_compile_side_by_side_only_with_cores_to_spare(tmp_path, monkeypatch):
   """Each compile in flight holds XLA's working memory (4 at once on 2 cores: +0.7 GB of peak RSS
   for no faster a build): one learner's step compiles per two host cores."""

@@ -68,6 +68,7 @@ def test_bad_value_is_one_line_naming_the_field_and_what_is_allowed(tmp_path):
   assert "config.sync.quorum=9" in line and "config.num_learners=4" in line, line
 
 
+@pytest.mark.slow  # 13 s, two processes; tests/test_checkpoints.py resumes runs in the default suite
 def test_a_run_resumes_from_its_checkpoint_in_a_new_process(tmp_path):
   """As a user resumes: a second process, which reads the checkpoint before JAX has started (the
   fake CPU device count must still be set then)."""

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from absl import logging as absl_logging
 
 import decoupled_diloco
@@ -79,6 +81,7 @@ def _run_main(workdir, *args):
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow  # 8 s, a whole run; the log filter's own tests above stay in the default suite
 def test_a_run_with_checkpoints_logs_only_its_own_lines(tmp_path):
   """The whole command: orbax writes three checkpoints (~50 INFO lines each before), and none of
   its lines reach the terminal; the run's progress, checkpoint and final lines do."""

@@ -125,6 +125,7 @@ def _execute(run, monkeypatch):
   return summary, last["places"]
 
 
+@pytest.mark.slow  # 57 s on 2 cores: four Ray nodes as TPU VMs; the suite keeps the placement tests
 def test_each_learner_is_one_slice_and_a_lost_host_moves_it_whole_to_the_spare(
     tpu_cluster, tmp_path, monkeypatch):
   """Two learners, each a v5p-16 slice (a (4, 2) mesh over its 2 hosts' 8 chips). Learner 1's
