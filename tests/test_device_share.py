@@ -94,6 +94,7 @@ def _run(tmp_path, step_hook=None, **overrides):
   return run, train.execute(run, progress=False)
 
 
+@pytest.mark.slow  # 10 s; the identity test on a shared device stays in the default suite
 def test_four_learners_on_one_device_train_and_merge_as_on_four_devices(tmp_path):
   """The same 96 steps of four learners, on one fake device and on four. Sharing changes when
   steps run, not what they compute: both merge every fragment, drop no step, and end in one band
