@@ -1,7 +1,8 @@
 r"""Compiles every learner program of an experiment for its real TPU topology, on this host.
 
   python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py
-  python scripts/aot_compile.py --config=experiments/tiny_cpu.py --topology=v5p:2x2x1
+  python scripts/aot_compile.py --config=experiments/tiny_cpu.py --topology=v5p:2x2x1 \
+      '--config.learner_mesh_shapes=((2,2),)'   # the topology's 4 chips: one learner mesh
   python scripts/aot_compile.py --config=experiments/dense_5b_v5p.py --config.model.remat=auto
   python scripts/aot_compile.py --config=experiments/gemma_2b_v5p.py --num_slices=8
   python scripts/aot_compile.py --config=experiments/hetero_v6e_v5p.py \
@@ -317,10 +318,18 @@ def _markdown(doc):
   return "\n".join(out)
 
 
-def _report_base(suffix: str = "") -> str:
-  name = _NAME.value or pathlib.Path(sys.argv[[a.startswith("--config=") for a in sys.argv].index(
-      True)].split("=", 1)[1]).stem + suffix
-  return os.path.join(_OUT_DIR.value, f"aot_{name}")
+def _report_name() -> str:
+  """--name, or the config file's stem (`_multislice` added with --num_slices)."""
+  return _NAME.value or pathlib.Path(sys.argv[[a.startswith("--config=") for a in sys.argv].index(
+      True)].split("=", 1)[1]).stem + ("_multislice" if _NUM_SLICES.value else "")
+
+
+def _timed_syncer(settings: settings_lib.RunSettings, steps: list[float]) -> dict:
+  """The syncer's part of a report: a merge of the median fragment timed here, against the
+  fastest of the learners' roofline `steps`."""
+  print("timing a merge of the median fragment on this host ...", flush=True)
+  timing = syncer_load.time_merge(settings, syncer_load.median_fragment(settings))
+  return _syncer_record(syncer_load.load(settings, min(steps), timing))
 
 
 def _write(base: str, doc: dict) -> None:
@@ -336,7 +345,7 @@ def _write(base: str, doc: dict) -> None:
 
 def _retime_syncer(config) -> None:
   """--syncer_only: the syncer's part of an existing report, from a merge timed now."""
-  base = _report_base("_multislice" if _NUM_SLICES.value else "")
+  base = os.path.join(_OUT_DIR.value, f"aot_{_report_name()}")
   if not os.path.isfile(base + ".json"):
     raise errors.InputError(f"--syncer_only: no report {base}.json to update; compile it first "
                             f"(without --syncer_only)")
@@ -352,9 +361,7 @@ def _retime_syncer(config) -> None:
   if settings.sync is None or not steps:
     raise errors.InputError(f"{base}.json has no learner roofline or the run no syncer: nothing "
                             f"to size")
-  print("timing a merge of the median fragment on this host ...", flush=True)
-  timing = syncer_load.time_merge(settings, syncer_load.median_fragment(settings))
-  doc["syncer"] = _syncer_record(syncer_load.load(settings, min(steps), timing))
+  doc["syncer"] = _timed_syncer(settings, steps)
   doc["syncer"]["command"] = " ".join(["python scripts/aot_compile.py"] + sys.argv[1:])
   doc["syncer"]["date"] = datetime.date.today().isoformat()
   doc["syncer"]["host"] = f"{os.cpu_count()} CPU cores, {platform.machine()}"
@@ -407,8 +414,7 @@ def main(argv):
     first = 0 in target.learners
     reports.append(tpu_aot.compile_learner(settings, target, with_eval=first,
                                            with_sampling=first or not _NUM_SLICES.value))
-  name = _NAME.value or pathlib.Path(sys.argv[[a.startswith("--config=") for a in sys.argv].index(
-      True)].split("=", 1)[1]).stem + ("_multislice" if _NUM_SLICES.value else "")
+  name = _report_name()
   doc = {
       "experiment": name, "command": " ".join(["python scripts/aot_compile.py"] + sys.argv[1:]),
       "host": f"{os.cpu_count()} CPU cores, {platform.machine()}",
@@ -423,9 +429,7 @@ def main(argv):
                   "topologies": sorted({t.topology for t in targets})}
   steps = [r.roofline.step_s for r in reports if r.roofline is not None]
   if _MERGE_TIMING.value and settings.sync is not None and steps:
-    print("timing a merge of the median fragment on this host ...", flush=True)
-    timing = syncer_load.time_merge(settings, syncer_load.median_fragment(settings))
-    doc["syncer"] = _syncer_record(syncer_load.load(settings, min(steps), timing))
+    doc["syncer"] = _timed_syncer(settings, steps)
   doc["wall_s"] = time.perf_counter() - started
   _write(os.path.join(_OUT_DIR.value, f"aot_{name}"), doc)
   failed = _failures(doc)
