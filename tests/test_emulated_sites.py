@@ -139,9 +139,6 @@ def _site_of(sites, node_id: str) -> int:
   return next(s.index for s in sites.sites if s.address == address)
 
 
-# Slow, and out of the default suite until the token account's race is found: in 2 of 7 runs
-# unmerged_at_end came out 256 tokens over (docs/ray.md, "Across sites for real").
-@pytest.mark.slow
 def test_a_partitioned_learner_trains_on_goes_absent_and_is_merged_again(sites, tmp_path):
   """Learner 1's site loses its link at the learner's step 4 (`ip link set ... down`), and gets
   it back once the syncer's heartbeats have seen the learner absent. No runtime code drops a

@@ -305,6 +305,37 @@ def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_lef
                                  err_msg=f"learner {learner.index} {name}")
 
 
+def test_the_flush_returns_once_every_learner_applied_its_broadcasts_however_late_they_arrive(
+    tmp_path, monkeypatch):
+  """Over a network a broadcast is on its way when the syncer has sent it, not applied: the
+  command's release of the learners can overtake it (seen on real sites, where the learner's link
+  had been down). Here every broadcast to a learner that finished training arrives 0.4 s late; the
+  flush still returns only once each learner holds the final Theta, so no learner ends with
+  merged steps still in its counters (the token account counted them twice) or without Theta."""
+  from decoupled_diloco.runtime.core import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  deliver = learner_lib.Learner.deliver
+
+  def late(self, broadcast):
+    if self.finished_training.is_set():
+      threading.Timer(0.4, deliver, (self, broadcast)).start()
+    else:
+      deliver(self, broadcast)
+
+  monkeypatch.setattr(learner_lib.Learner, "deliver", late)
+  run, summary = _run(tmp_path, num_learners=2, num_steps=12, learner_mesh_shapes=((1, 1),))
+  assert summary["final_merges"] >= 1
+  assert summary["unmerged_steps_at_end"] == [0, 0]
+  tokens = summary["fragment_token_accounting"]
+  assert tokens["unmerged_at_end"] == 0, tokens
+  assert tokens["made"] == tokens["merged"] + tokens["discarded"], tokens
+  theta = run.syncer.global_params()
+  for learner in run.learners:
+    params = jax.device_get(learner.flat_params())
+    for name, value in theta.items():
+      np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-6,
+                                 err_msg=f"learner {learner.index} {name}")
+
+
 def _sleeps(learner, noise_s, steps, delay_s=0.0):
   """The sleep after each of `learner`'s steps, drawn again from its seeded stream:
   `learner.step_times[j]` holds the one after step j + 1."""

@@ -878,7 +878,9 @@ def test_a_restored_syncer_sends_a_keyframe_before_any_delta():
 
 class Holder(Scripted):
   """A LearnerLink that holds its anchors and applies broadcasts as `Learner._apply` does (a
-  delta only against the version it holds), and loses what is delivered while `cut` is set."""
+  delta only against the version it holds), and loses what is delivered while `cut` is set.
+  Once `finish`ed it says which versions it holds after each broadcast it applies, as a finished
+  learner's TrainingDone does (the flush waits for that)."""
 
   def __init__(self, index, syncer):
     super().__init__(index)
@@ -887,6 +889,14 @@ class Holder(Scripted):
     self.cut = False
     self.ignored = 0
     self.lock = threading.Lock()
+    self.finished = None  # the syncer it reports to once finished
+    self.step = 0
+
+  def finish(self, syncer, step):
+    self.finished, self.step = syncer, step
+    with self.lock:
+      versions = self.versions.copy()
+    syncer.post(messages.TrainingDone(self.index, step, 0, anchor_versions=versions))
 
   def deliver(self, broadcast):
     if self.cut:
@@ -904,6 +914,10 @@ class Holder(Scripted):
         self.anchors[name] = (value if broadcast.base_version is None
                               else self.anchors[name] + value)
       self.versions[p] = broadcast.version
+      versions = self.versions.copy()
+    if self.finished is not None:
+      self.finished.post(messages.TrainingDone(self.index, self.step, 0,
+                                               anchor_versions=versions))
 
   def report(self, syncer, step):
     with self.lock:
@@ -945,6 +959,8 @@ def test_a_learner_that_missed_a_delta_gets_a_keyframe_and_ends_equal_to_the_oth
     # One fragment falls due a step (P = H = 2): merged before the next step, so the partition
     # cuts the merges of its own steps however slowly the host runs the syncer.
     _wait(lambda step=step: syncer.stats.merges >= step)
+  for link in links:
+    link.finish(syncer, 40)
   assert syncer.flush(timeout=60)  # every merge made is delivered
   assert any(b.base_version is not None for b in links[0].received)  # deltas did travel
   assert syncer.stats.keyframes >= 1  # learner 1's, after the partition
@@ -970,6 +986,8 @@ def test_a_learner_whose_offer_names_the_base_version_gets_a_delta_before_its_re
     for link in links:  # reports that name no versions: the syncer's record stays at 0
       syncer.post(messages.StepReport(link.index, step, 0.01, 100, None))
     _wait(lambda step=step: syncer.stats.merges >= step)
+  for link in links:
+    link.finish(syncer, 12)
   assert syncer.flush(timeout=60)
   assert syncer.stats.keyframes == 0
   versions = np.asarray(syncer.model.versions)

@@ -62,6 +62,9 @@ def run_summary(run: run_lib.Run, evals, train_seconds: float, wall_seconds: flo
       "bytes_syncer_allreduce": stats.bytes_allreduce,
       # compression.broadcast_delta: broadcasts that went out whole (Theta_p, not a delta).
       "broadcast_keyframes": stats.keyframes,
+      # Theta_p sent again after the flush's final rounds to a learner whose reports did not yet
+      # say it held it (a broadcast lost on the way); the flush returns once every one does.
+      "flush_resent_fragments": stats.flush_resent_fragments,
       "wall_seconds": wall_seconds,
       "train_seconds": train_seconds,
       "build_seconds": run.build_seconds,

@@ -32,6 +32,9 @@ from decoupled_diloco.runtime.core import messages
 
 # How long an answer given up (its round closed first) is waited for, for its bytes only
 _LATE_ANSWER_WAIT_S = 30.0
+# After its final rounds the flush waits for every live learner to report holding each Theta_p;
+# one still behind after this long is sent it again, in full
+_FLUSH_RESEND_S = 2.0
 
 
 class LearnerLink(Protocol):
@@ -113,6 +116,9 @@ class SyncerStats:
   # Delta broadcast: full values of R_p sent to a learner in place of a delta it could not apply
   # (its last report named another version than the delta's base).
   keyframes: int = 0
+  # Theta_p sent again, in full, to a learner whose reports after the flush's final rounds still
+  # did not say it held it (a broadcast lost on the way)
+  flush_resent_fragments: int = 0
 
 
 class SyncerRounds:
@@ -143,6 +149,9 @@ class SyncerRounds:
   _cut: Any  # syncer_state.CutRequest | None: no round opens while a cut is asked for
   _flush_state: str
   _flush_done: threading.Event
+  _flush_resent_at: float
+  _reported_anchors: dict[int, np.ndarray]
+  _lock: threading.Lock
   # Answers from other processes still on their way when their round closed: (answer, fragment,
   # when), read for bytes_offered once they land (`_count_late_answers`)
   _late_answers: list[tuple[messages.PendingAnswer, int, float]]
@@ -360,5 +369,42 @@ class SyncerRounds:
       for p in self.model.owned:
         self._open_round(p, self._clock, final=True)
     elif self._flush_state == "running" and not self._rounds and not self._merging:
-      self._flush_state = "done"
-      self._flush_done.set()
+      self._flush_state = "applying"
+      self._flush_resent_at = self._now()
+    if self._flush_state == "applying":
+      lagging = self._lagging_learners()
+      if not lagging:
+        self._flush_state = "done"
+        self._flush_done.set()
+      elif self._now() - self._flush_resent_at >= _FLUSH_RESEND_S:
+        self._flush_resent_at = self._now()
+        self._resend(lagging)
+
+  def _lagging_learners(self) -> dict[int, list[int]]:
+    """The live learners whose last report says they do not yet hold every Theta_p of this
+    syncer, with those fragments. The flush's broadcasts are sent once its final rounds close,
+    but over a network sent is not applied: the command releases the learners once the flush
+    returns, and a release that overtook a broadcast would leave its merged steps in the
+    learner's counters (counted again as unmerged) and Theta out of its hands."""
+    with self._lock:
+      live = sorted(self._live)
+    lagging = {}
+    for m in live:
+      held = self._reported_anchors.get(m)
+      if held is None:
+        continue  # no report of versions to judge by (a learner's TrainingDone always has one)
+      behind = [p for p in self.model.owned if held[p] < self.model.version(p)]
+      if behind:
+        lagging[m] = behind
+    return lagging
+
+  def _resend(self, lagging: dict[int, list[int]]) -> None:
+    """Theta_p in full again to each learner still behind after _FLUSH_RESEND_S: a broadcast
+    lost on the way (a partition) or a delta it could not apply (not holding its base)."""
+    for m, fragments in lagging.items():
+      for p in fragments:
+        version, wire = self.model.wire(p)
+        broadcast = self._naming_last_merged(m, messages.Broadcast(p, version, wire))
+        self._learners[m].deliver(broadcast)
+        self.stats.bytes_down += broadcast.nbytes
+        self.stats.flush_resent_fragments += 1

@@ -188,7 +188,9 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     # has applied every merge this syncer knows of, including those its predecessor made after
     # its last checkpoint, whose steps `_merged_through` may not show).
     self._min_anchor = np.zeros(len(fragments), np.int64)
-    self._flush_state = "none"  # none -> requested -> running -> done
+    # none -> requested -> running (final rounds) -> applying (learners take the broadcasts) -> done
+    self._flush_state = "none"
+    self._flush_resent_at = 0.0
     self._flush_done = threading.Event()
     self._stop = threading.Event()
     self.stats = SyncerStats()
