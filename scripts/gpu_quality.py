@@ -14,7 +14,7 @@ disjoint shards together) and the decoupled arm's share of the budget at an *ass
 a fixed table and an assumption, not a calibration: 5% is below the 12.6% four sharing learners
 measured at 124M on an H200 (results/accelerator_gpu_2026-11-26_one_device.md), for smaller
 kernels; --size forces one. (3) three arms at equal tokens, each a process of its own
-(scripts/gpu_phases.py), on experiments/one_gpu.py's layout: dp (one job of batch 4 x 8),
+(scripts/gpu_phases.py), on experiments/one_gpu.py's layout: dp (one job of batch 4 x 32),
 decoupled M = 4 and streaming M = 4 (config.mode=streaming: the same M, H = P = 24, tau, only the
 asynchrony differs), all four learners sharing the GPU, with one_gpu.py's inner AdamW (lr 1e-3,
 b2 0.95, weight decay 0.1) and tiny_cpu's outer step (Nesterov lr 0.7, momentum 0.3), not retuned
@@ -44,7 +44,9 @@ import gpu_phases  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ_LEN = {"gpu": 512, "cpu": 32}
-BATCH = 8  # sequences per learner per step; dp: M x this
+# Sequences per learner per step (dp: M x this). 32 x 512 tokens: a step of a few-million-parameter
+# model long enough that the per-step overhead (dispatch, offers, merges) does not rule it.
+BATCH = {"gpu": 32, "cpu": 8}
 M = 4
 TOKENS_PER_PARAM = 20.0
 LAW = {"gap_at_35m": 0.020, "exponent": 0.35}  # DiLoCo M = 4 (2503.09799, Table 4)
@@ -72,12 +74,12 @@ def with_seq(size: dict, seq_len: int) -> dict:
   return {**size, "model.max_seq_len": seq_len, "data.seq_len": seq_len}
 
 
-def choose_size(sizes: dict, *, seq_len: int, train_windows: int, train_seconds: float,
-                flops_per_s: float | None) -> dict:
+def choose_size(sizes: dict, *, seq_len: int, batch: int, train_windows: int,
+                train_seconds: float, flops_per_s: float | None) -> dict:
   """The largest size whose TOKENS_PER_PARAM tokens fit the corpus without repetition and, at
   `flops_per_s`, `train_seconds` x SAFETY; the smallest, marked, when none fits."""
-  tokens_per_step = M * BATCH * seq_len
-  max_steps = train_windows // (M * BATCH)  # every learner's shard read once at most
+  tokens_per_step = M * batch * seq_len
+  max_steps = train_windows // (M * batch)  # every learner's shard read once at most
   rows = []
   for name, size in sizes.items():
     shape = with_seq(size, seq_len)
@@ -187,7 +189,8 @@ def main() -> None:
                              "python scripts/gpu_quality.py " + " ".join(sys.argv[1:]), render)
   report.data["budget_s"] = args.budget_s
   phases = report.data["phases"]
-  seq_len = SEQ_LEN["cpu" if args.dry_run else "gpu"]
+  platform = "cpu" if args.dry_run else "gpu"
+  seq_len, batch = SEQ_LEN[platform], BATCH[platform]
 
   corpus_dir = args.corpus_dir or os.path.join(args.workdir, f"code_corpus_{seq_len}")
   meta = build_corpus(corpus_dir, seq_len, args.dry_run and not args.corpus_dir)
@@ -205,10 +208,11 @@ def main() -> None:
   peak = framework_runs.peak_flops(device.probe["kind"])
   if args.dry_run:
     sizes, how = TOY, "dry run: the toy size"
-    choice = choose_size(sizes, seq_len=seq_len, train_windows=meta["train"]["sequences"],
-                         train_seconds=train_seconds, flops_per_s=None)
+    choice = choose_size(sizes, seq_len=seq_len, batch=batch,
+                         train_windows=meta["train"]["sequences"], train_seconds=train_seconds,
+                         flops_per_s=None)
     choice["chosen"]["steps"] = DRY_RUN_STEPS
-    choice["chosen"]["tokens"] = DRY_RUN_STEPS * M * BATCH * seq_len
+    choice["chosen"]["tokens"] = DRY_RUN_STEPS * M * batch * seq_len
   else:
     sizes = {args.size: SIZES[args.size]} if args.size else SIZES
     flops_per_s = args.assumed_mfu * peak if peak else None
@@ -216,8 +220,9 @@ def main() -> None:
            f"the largest fitting {train_seconds:.0f} s of training at an assumed "
            f"{100 * args.assumed_mfu:.0f}% MFU" + ("" if peak else " (card's peak unknown: "
                                                    "corpus bound only)"))
-    choice = choose_size(sizes, seq_len=seq_len, train_windows=meta["train"]["sequences"],
-                         train_seconds=train_seconds, flops_per_s=flops_per_s)
+    choice = choose_size(sizes, seq_len=seq_len, batch=batch,
+                         train_windows=meta["train"]["sequences"], train_seconds=train_seconds,
+                         flops_per_s=flops_per_s)
   chosen = choice["chosen"]
   phases["size"] = {**choice, "how": how, "assumed_mfu": args.assumed_mfu, "peak_flops": peak}
   report.write(budget)
@@ -225,7 +230,7 @@ def main() -> None:
   steps = chosen["steps"]
   overrides = device.overrides(
       **{k.replace(".", "__"): v for k, v in with_seq(sizes[chosen["size"]], seq_len).items()},
-      data__source=os.path.abspath(corpus_dir), data__batch_size=BATCH, num_steps=steps,
+      data__source=os.path.abspath(corpus_dir), data__batch_size=batch, num_steps=steps,
       eval_every=max(steps // 4, 1), eval_batches=1 if args.dry_run else 8,
       inner__warmup_steps=max(1, min(200, steps // 10)), log_every=max(1, min(50, steps // 10)))
   phases["arms"] = {}

@@ -1,4 +1,4 @@
-r"""Triage on a lent GPU, within one time budget (issue 44, item 2): what the CPU figures do not tell.
+r"""Triage on a lent GPU within one time budget (issue 44, item 2): what CPU figures cannot tell.
 
   python scripts/gpu_triage.py                  # on a GPU: four phases, ~6 minutes, <= --budget_s
   python scripts/gpu_triage.py --dry_run        # the same phases at toy size on fake CPU devices
@@ -49,7 +49,8 @@ TARGETS = {"tokens_per_s_over_dp": 0.95, "goodput": 0.85}
 CUDNN_SHARING_TRIAL_ENV = "DECOUPLED_DILOCO_TRIAL_CUDNN_SHARING"
 # Steps and evaluation of each phase, on a GPU and in a dry run. One learner's batch is the four
 # sharing learners' together, so phases a, b and c train the same tokens per step.
-STEPS = {"gpu": {"one": 100, "shared": 100, "trial": 30}, "cpu": {"one": 6, "shared": 8, "trial": 4}}
+STEPS = {"gpu": {"one": 100, "shared": 100, "trial": 30},
+         "cpu": {"one": 6, "shared": 8, "trial": 4}}
 BATCH = {"gpu": {"one": 16, "shared": 8}, "cpu": {"one": 8, "shared": 2}}
 
 

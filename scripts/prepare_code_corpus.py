@@ -45,7 +45,8 @@ _ROOTS = flags.DEFINE_list("roots", None, "Directories to read .py files from (d
                                           "interpreter's site-packages).")
 _MAX_BYTES = flags.DEFINE_integer("max_bytes", 0, "Keep at most this many bytes (whole files in "
                                                   "path order); 0 = all.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence (config.data.seq_len).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 128,
+                                "Tokens per training sequence (config.data.seq_len).")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.01,
                                     "Held out: the last files holding this fraction of the bytes.")
 _RECORDS_PER_SHARD = flags.DEFINE_integer("records_per_shard", 1 << 16, "Windows per shard file.")

@@ -1,6 +1,7 @@
 """scripts/gpu_triage.py and scripts/gpu_quality.py, ready for a lent GPU: their --dry_run runs
 every phase at toy size on fake CPU devices and leaves a report with every figure in it."""
 
+import functools
 import json
 import math
 import pathlib
@@ -81,14 +82,13 @@ def test_the_quality_size_is_the_largest_that_fits_corpus_and_time():
   quality = load_script("gpu_quality")
   assert quality.law_gap(35e6) == pytest.approx(0.02)
   assert quality.law_gap(10e6) == pytest.approx(0.031, abs=5e-4)  # the issue's +3.1%
-  enough = quality.choose_size(quality.SIZES, seq_len=512, train_windows=10**9,
-                               train_seconds=10**9, flops_per_s=1e12)
+  fit = functools.partial(quality.choose_size, quality.SIZES, seq_len=512, batch=32,
+                          flops_per_s=1e12)
+  enough = fit(train_windows=10**9, train_seconds=10**9)
   assert enough["chosen"]["size"] == "42m" and not enough["chosen"]["below_20_tokens_per_param"]
   # 130 MB of windows of 513 bytes: 20 tokens per parameter stop below 6.5M parameters.
-  corpus_bound = quality.choose_size(quality.SIZES, seq_len=512, train_windows=130_000_000 // 513,
-                                     train_seconds=10**9, flops_per_s=1e12)
+  corpus_bound = fit(train_windows=130_000_000 // 513, train_seconds=10**9)
   assert corpus_bound["chosen"]["size"] == "6m"
   assert all(r["tokens"] >= 20 * r["num_params"] for r in corpus_bound["table"])
-  none = quality.choose_size(quality.SIZES, seq_len=512, train_windows=10**9, train_seconds=1.0,
-                             flops_per_s=1e12)
+  none = fit(train_windows=10**9, train_seconds=1.0)
   assert none["chosen"]["size"] == "4m" and none["chosen"]["below_20_tokens_per_param"]
