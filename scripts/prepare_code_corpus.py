@@ -16,12 +16,16 @@ no file is in both). The bytes are the tokens (config.data.tokenizer 'byte'), fi
 as they are. DIR/meta.json is the dataset's record (scripts/prepare_data.py's layout, read by
 `config.data.source=DIR`) plus `code_corpus`: the fingerprint (sha256 over the kept bytes in
 their order: two machines with the same packages get the same one), the roots, the byte and file
-counts of each split and the duplicates dropped. A mistake is one line and exit 2, and a failed
-run leaves --out_dir as it found it.
+counts of each split and the duplicates dropped. `--text_out=FILE` also writes the kept bytes in
+order to one file, whose sha256 is the fingerprint: a text source for the in-memory loader, which
+carves a validation split from text (scripts/study_scaling.py needs one); its eval split is then
+the loader's, the last config.data.eval_fraction of the file. A mistake is one line and exit 2,
+and a failed run leaves --out_dir (and --text_out) as it found them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -50,6 +54,8 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 128,
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.01,
                                     "Held out: the last files holding this fraction of the bytes.")
 _RECORDS_PER_SHARD = flags.DEFINE_integer("records_per_shard", 1 << 16, "Windows per shard file.")
+_TEXT_OUT = flags.DEFINE_string("text_out", None, "Also write the kept bytes, in order, to this "
+                                                  "new file (a text config.data.source).")
 
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
@@ -120,8 +126,10 @@ def select(files: list[tuple[str, str]], *, max_bytes: int, eval_fraction: float
 
 def build(out_dir: str, roots: list[str], *, seq_len: int = 128, max_bytes: int = 0,
           eval_fraction: float = 0.01, records_per_shard: int = 1 << 16,
-          flag_prefix: str = "--") -> dict:
-  """Writes the corpus of `roots` to `out_dir` as ArrayRecord shards; returns its meta.json."""
+          text_out: str | None = None, flag_prefix: str = "--") -> dict:
+  """Writes the corpus of `roots` to `out_dir` as ArrayRecord shards, and with `text_out` the
+  same bytes in the same order to that one file (its sha256 is the fingerprint); returns the
+  shards' meta.json."""
   array_records.check_prepare_args(seq_len=seq_len, out_dir=out_dir, eval_fraction=eval_fraction,
                                    records_per_shard=records_per_shard, flag_prefix=flag_prefix)
   if max_bytes < 0:
@@ -134,14 +142,19 @@ def build(out_dir: str, roots: list[str], *, seq_len: int = 128, max_bytes: int 
     raise errors.InputError(f"{flag_prefix}roots={','.join(roots)!r} hold no .py file")
   tokenizer = tokenizers.load("byte")
   dtype = array_records.record_dtype(tokenizer.vocab_size)
-  with array_records.removed_on_failure(out_dir):
+  if text_out and os.path.exists(text_out):
+    raise errors.InputError(f"{flag_prefix}text_out={text_out!r} exists; name a new file")
+  with array_records.removed_on_failure(out_dir), _text_file(text_out) as text:
     writers = {s: array_records.ShardWriter(out_dir, s, dtype, records_per_shard)
                for s in ("train", "eval")}
     dropped = 0
     for split, writer in writers.items():
       packer = array_records.Packer(writer, seq_len + 1)
       for path in chosen[split]:
-        packer.add(np.fromfile(path, dtype=np.uint8))
+        content = np.fromfile(path, dtype=np.uint8)
+        packer.add(content)
+        if text is not None:
+          text.write(content.tobytes())
       writer.close()
       dropped += packer.dropped
     splits = array_records.splits_meta(writers, seq_len)
@@ -169,6 +182,21 @@ def build(out_dir: str, roots: list[str], *, seq_len: int = 128, max_bytes: int 
   return meta
 
 
+@contextlib.contextmanager
+def _text_file(path: str | None):
+  """`path` open for writing (None: no file); removed again if the block fails."""
+  if path is None:
+    yield None
+    return
+  try:
+    with open(path, "wb") as f:
+      yield f
+  except BaseException:
+    if os.path.exists(path):
+      os.remove(path)
+    raise
+
+
 def main(argv):
   if len(argv) > 1:
     raise errors.InputError(f"Unexpected arguments {argv[1:]}: flags take the form --name=value")
@@ -177,7 +205,8 @@ def main(argv):
   if not roots:
     raise errors.InputError("--roots: this interpreter has no site-packages directory; name one")
   meta = build(_OUT_DIR.value, roots, seq_len=_SEQ_LEN.value, max_bytes=_MAX_BYTES.value,
-               eval_fraction=_EVAL_FRACTION.value, records_per_shard=_RECORDS_PER_SHARD.value)
+               eval_fraction=_EVAL_FRACTION.value, records_per_shard=_RECORDS_PER_SHARD.value,
+               text_out=_TEXT_OUT.value)
   c = meta["code_corpus"]
   print(f"{_OUT_DIR.value}: {c['bytes']:,} bytes of Python ({c['train_bytes']:,} train, "
         f"{c['eval_bytes']:,} eval) from {c['files']:,} files ({c['duplicate_files']:,} duplicates "

@@ -1,6 +1,7 @@
 """scripts/prepare_code_corpus.py on a fake Python installation: deterministic whatever the
 listing order, duplicates dropped, the standard library left out, and shards a run trains on."""
 
+import hashlib
 import json
 import pathlib
 import random
@@ -100,7 +101,7 @@ def test_a_file_whose_bytes_came_earlier_is_dropped_and_the_cap_keeps_whole_file
   assert capped["train"] + capped["eval"] == kept[:capped["files"]]
 
 
-def test_a_run_trains_on_the_shards_it_writes(tmp_path):
+def test_a_run_trains_on_the_shards_it_writes_and_the_text_file_holds_the_same_bytes(tmp_path):
   from decoupled_diloco.lm import data  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.lm import tokenizers  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.runtime import train  # pylint: disable=g-import-not-at-top
@@ -108,12 +109,21 @@ def test_a_run_trains_on_the_shards_it_writes(tmp_path):
   out = tmp_path / "shards"
   proc = subprocess.run(
       [sys.executable, str(_ROOT / "scripts" / "prepare_code_corpus.py"), f"--out_dir={out}",
-       f"--roots={site}", "--seq_len=32", "--eval_fraction=0.2", "--records_per_shard=200"],
+       f"--roots={site}", "--seq_len=32", "--eval_fraction=0.2", "--records_per_shard=200",
+       f"--text_out={tmp_path / 'corpus.txt'}"],
       capture_output=True, text=True, cwd=_ROOT, timeout=120, check=True)
   meta = json.loads((out / "meta.json").read_text())
   assert meta["code_corpus"]["fingerprint"] in proc.stdout
   assert meta["bytes"] == meta["code_corpus"]["bytes"] == meta["tokens"] + meta["tokens_dropped"]
   assert len(meta["train"]["shards"]) > 1
+  text = (tmp_path / "corpus.txt").read_bytes()
+  assert hashlib.sha256(text).hexdigest() == meta["code_corpus"]["fingerprint"]
+  assert len(text) == meta["bytes"]
+  # The text file is a source the in-memory loader takes, with a validation split carved out.
+  held = data.load_dataset(str(tmp_path / "corpus.txt"), tokenizer=tokenizers.load("byte"),
+                           text_field="text", seq_len=32, eval_fraction=0.05,
+                           validation_fraction=0.05)
+  assert len(held.train) and len(held.validation) and len(held.eval)
   dataset = data.load_dataset(str(out), tokenizer=tokenizers.load("byte"), text_field="text",
                               seq_len=32, eval_fraction=0.2)
   assert len(dataset.train) == meta["train"]["sequences"]
