@@ -411,6 +411,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
       f"--sizes={','.join(r['size'] for r in rows)} --tokens_per_param="
       f"{_TOKENS_PER_PARAM.value:g} --seeds={','.join(map(str, seeds))}"
       f"{f' --num_steps={_NUM_STEPS.value}' if _NUM_STEPS.value else ''}"
+      f"{f' --data_source={_DATA_SOURCE.value}' if _DATA_SOURCE.value else ''}"
       f"{' --tune' if tried else ''}`; {TOKENS_PER_STEP:,} tokens per step for every arm, "
       f"inner learning rates {lrs}; estimated {seconds / 3600:.1f} h.\n\n{_plan_table(rows)}\n\n"
       f"## Final eval loss (nats/token), mean (min-max) over seeds, and the gap to dp\n\n"
@@ -438,6 +439,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
       markdown += f"\nAt the edge of the grid (the best may lie beyond it): {', '.join(edge)}.\n"
   print(markdown)
   report = {"plan": rows, "seeds": seeds, "tokens_per_param": _TOKENS_PER_PARAM.value,
+            "data_source": _DATA_SOURCE.value or "the bundled tiny-shakespeare",
             "tokens_per_step": TOKENS_PER_STEP, "inner_lr": lrs, "tune": tried,
             "skipped": skipped, "fits": fits, "published": {
                 "gaps": {k: {str(n): g for n, g in v.items()} for k, v in PUBLISHED.items()},
