@@ -98,14 +98,13 @@ def choose_size(sizes: dict, *, seq_len: int, batch: int, train_windows: int,
   return {"chosen": chosen, "table": rows, "max_steps_without_repetition": max_steps}
 
 
-def build_corpus(out_dir: str, seq_len: int, dry_run: bool) -> dict:
-  """scripts/prepare_code_corpus.py into `out_dir` (a dry run: its first 400 kB); its meta."""
+def build_corpus(out_dir: str, seq_len: int, *, max_bytes: int, eval_fraction: float) -> dict:
+  """scripts/prepare_code_corpus.py into `out_dir` (kept: a directory that holds one is read);
+  its meta.json."""
   if not os.path.exists(os.path.join(out_dir, "meta.json")):
-    args = [sys.executable, str(ROOT / "scripts" / "prepare_code_corpus.py"),
-            f"--out_dir={out_dir}", f"--seq_len={seq_len}"]
-    if dry_run:
-      args += ["--max_bytes=400000", "--eval_fraction=0.05"]
-    subprocess.run(args, cwd=ROOT, check=True, timeout=600)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_code_corpus.py"),
+                    f"--out_dir={out_dir}", f"--seq_len={seq_len}", f"--max_bytes={max_bytes}",
+                    f"--eval_fraction={eval_fraction}"], cwd=ROOT, check=True, timeout=600)
   with open(os.path.join(out_dir, "meta.json"), encoding="utf-8") as f:
     return json.load(f)
 
@@ -135,8 +134,9 @@ def render(report: dict) -> list[str]:
   corpus = report["phases"].get("corpus")
   if corpus:
     c = corpus["code_corpus"]
-    lines += [f"Corpus: {c['bytes']:,} bytes of Python from {c['files']:,} files "
-              f"({c['duplicate_files']:,} duplicates dropped), {corpus['train_windows']:,} "
+    lines += [f"Corpus: {c['bytes']:,} bytes of Python from {c['files']:,} files, of "
+              f"{c.get('available_bytes', c['bytes']):,} distinct bytes on this machine "
+              f"({c['duplicate_files']:,} duplicate files), {corpus['train_windows']:,} "
               f"training windows of {corpus['seq_len']} tokens; fingerprint "
               f"`{c['fingerprint'][:16]}`", ""]
   size = report["phases"].get("size")
@@ -193,8 +193,26 @@ def main() -> None:
   platform = "cpu" if args.dry_run else "gpu"
   seq_len, batch = SEQ_LEN[platform], BATCH[platform]
 
+  weights = sum(w for _, w in ARMS.values())
+  decoupled = ARMS["decoupled M=4"][1]
+  peak = framework_runs.peak_flops(device.probe["kind"])
+  sizes = TOY if args.dry_run else {args.size: SIZES[args.size]} if args.size else SIZES
+  flops_per_s = None if args.dry_run or not peak else args.assumed_mfu * peak
+
+  def choose(train_windows: int) -> tuple[dict, float]:
+    seconds = budget.share(decoupled, weights - decoupled) - (0 if args.dry_run else STARTUP_S)
+    return choose_size(sizes, seq_len=seq_len, batch=batch, train_windows=train_windows,
+                       train_seconds=seconds, flops_per_s=flops_per_s), seconds
+
+  # The corpus holds what the largest size the time allows can train, and no more: building
+  # bytes no run reads would take from the runs' time (the script still counts all there are).
+  if args.dry_run:
+    max_bytes, eval_fraction = 400_000, 0.05
+  else:
+    wanted = choose(10**12)[0]["chosen"]["tokens"]
+    max_bytes, eval_fraction = int(wanted * 1.05 / 0.99) + 4 * M * batch * (seq_len + 1), 0.01
   corpus_dir = args.corpus_dir or os.path.join(args.workdir, f"code_corpus_{seq_len}")
-  meta = build_corpus(corpus_dir, seq_len, args.dry_run and not args.corpus_dir)
+  meta = build_corpus(corpus_dir, seq_len, max_bytes=max_bytes, eval_fraction=eval_fraction)
   if meta["seq_len"] != seq_len:
     sys.exit(f"--corpus_dir={corpus_dir}: its seq_len is {meta['seq_len']}, this script's "
              f"{seq_len}: prepare it with --seq_len={seq_len}")
@@ -203,27 +221,15 @@ def main() -> None:
                       "code_corpus": meta.get("code_corpus", {})}
   report.write(budget)
 
-  weights = sum(w for _, w in ARMS.values())
-  train_seconds = budget.share(ARMS["decoupled M=4"][1], weights - ARMS["decoupled M=4"][1])
-  train_seconds -= 0 if args.dry_run else STARTUP_S
-  peak = framework_runs.peak_flops(device.probe["kind"])
+  choice, train_seconds = choose(meta["train"]["sequences"])
   if args.dry_run:
-    sizes, how = TOY, "dry run: the toy size"
-    choice = choose_size(sizes, seq_len=seq_len, batch=batch,
-                         train_windows=meta["train"]["sequences"], train_seconds=train_seconds,
-                         flops_per_s=None)
-    choice["chosen"]["steps"] = DRY_RUN_STEPS
-    choice["chosen"]["tokens"] = DRY_RUN_STEPS * M * batch * seq_len
+    how = "dry run: the toy size"
+    choice["chosen"].update(steps=DRY_RUN_STEPS, tokens=DRY_RUN_STEPS * M * batch * seq_len)
   else:
-    sizes = {args.size: SIZES[args.size]} if args.size else SIZES
-    flops_per_s = args.assumed_mfu * peak if peak else None
     how = ("--size" if args.size else
            f"the largest fitting {train_seconds:.0f} s of training at an assumed "
            f"{100 * args.assumed_mfu:.0f}% MFU" + ("" if peak else " (card's peak unknown: "
                                                    "corpus bound only)"))
-    choice = choose_size(sizes, seq_len=seq_len, batch=batch,
-                         train_windows=meta["train"]["sequences"], train_seconds=train_seconds,
-                         flops_per_s=flops_per_s)
   chosen = choice["chosen"]
   phases["size"] = {**choice, "how": how, "assumed_mfu": args.assumed_mfu, "peak_flops": peak}
   report.write(budget)

@@ -92,9 +92,11 @@ def source_files(roots: list[str]) -> list[tuple[str, str]]:
 
 def select(files: list[tuple[str, str]], *, max_bytes: int, eval_fraction: float) -> dict:
   """The kept files of `files` (in order, duplicates by content dropped, at most `max_bytes` in
-  all when > 0), split into train and the eval tail, with the fingerprint and counts."""
-  seen, kept, duplicates, empty, total = set(), [], 0, 0, 0
+  all when > 0), split into train and the eval tail, with the fingerprint and counts; the
+  `available_` counts are of every distinct file, the cap ignored."""
+  seen, kept, duplicates, empty, total, available = set(), [], 0, 0, 0, 0
   fingerprint = hashlib.sha256()
+  full = False
   for relative, path in files:
     with open(path, "rb") as f:
       content = f.read()
@@ -105,12 +107,14 @@ def select(files: list[tuple[str, str]], *, max_bytes: int, eval_fraction: float
     if digest in seen:
       duplicates += 1
       continue
-    if max_bytes and total + len(content) > max_bytes:
-      break
     seen.add(digest)
-    kept.append((relative, path, len(content)))
-    fingerprint.update(content)
-    total += len(content)
+    available += len(content)
+    # Past the cap the files are still counted: what this machine holds, beside what was kept.
+    full = full or bool(max_bytes and total + len(content) > max_bytes)
+    if not full:
+      kept.append((relative, path, len(content)))
+      fingerprint.update(content)
+      total += len(content)
   # The eval tail: the last files until they hold eval_fraction of the bytes (at least one file).
   eval_bytes, cut = 0, len(kept)
   while cut > 1 and eval_bytes < eval_fraction * total:
@@ -120,7 +124,8 @@ def select(files: list[tuple[str, str]], *, max_bytes: int, eval_fraction: float
           "fingerprint": fingerprint.hexdigest(), "bytes": total,
           "train_bytes": total - eval_bytes, "eval_bytes": eval_bytes,
           "files": len(kept), "duplicate_files": duplicates, "empty_files": empty,
-          "files_found": len(files),
+          "files_found": len(files), "available_bytes": available,
+          "available_files": len(seen),
           "first_eval_file": kept[cut][0] if cut < len(kept) else None}
 
 
@@ -210,7 +215,8 @@ def main(argv):
   c = meta["code_corpus"]
   print(f"{_OUT_DIR.value}: {c['bytes']:,} bytes of Python ({c['train_bytes']:,} train, "
         f"{c['eval_bytes']:,} eval) from {c['files']:,} files ({c['duplicate_files']:,} duplicates "
-        f"dropped) under {', '.join(roots)}; {meta['train']['sequences']:,} train + "
+        f"dropped; {c['available_bytes']:,} bytes in all without --max_bytes) under "
+        f"{', '.join(roots)}; {meta['train']['sequences']:,} train + "
         f"{meta['eval']['sequences']:,} eval windows of {meta['seq_len'] + 1} bytes; fingerprint "
         f"{c['fingerprint']}; {time.perf_counter() - started:.1f} s")
 

@@ -62,6 +62,7 @@ def test_the_quality_dry_run_builds_its_corpus_and_compares_three_arms(dry_runs)
   phases = report["phases"]
   corpus = phases["corpus"]["code_corpus"]
   assert len(corpus["fingerprint"]) == 64 and corpus["bytes"] <= 400_000
+  assert corpus["available_bytes"] > corpus["bytes"]  # the dry run builds 400 kB of them
   assert phases["size"]["chosen"]["steps"] > 0
   arms = phases["arms"]
   assert list(arms) == ["dp", "decoupled M=4", "streaming M=4"]

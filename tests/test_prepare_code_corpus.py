@@ -98,6 +98,7 @@ def test_a_file_whose_bytes_came_earlier_is_dropped_and_the_cap_keeps_whole_file
   capped = corpus.select(corpus.source_files([str(site)]), max_bytes=chosen["bytes"] // 2,
                          eval_fraction=0.2)
   assert capped["bytes"] <= chosen["bytes"] // 2 and capped["files"] < chosen["files"]
+  assert capped["available_bytes"] == chosen["available_bytes"] == chosen["bytes"]
   assert capped["train"] + capped["eval"] == kept[:capped["files"]]
 
 
