@@ -6,7 +6,8 @@ token seen twice, beside DiLoCo's law and beside lock-step streaming M = 4.
   python scripts/gpu_quality.py --corpus_dir=DIR   # shards from scripts/prepare_code_corpus.py
   python scripts/gpu_quality.py --dry_run          # the same steps at toy size on fake CPU devices
 
-Steps: (1) the corpus: scripts/prepare_code_corpus.py on this machine's site-packages (a few
+Steps: (1) the corpus: scripts/prepare_code_corpus.py on this machine's site-packages, as many
+bytes as the largest size the time allows would read (the report counts all there are; a few
 seconds; --corpus_dir skips it, its seq_len must be SEQ_LEN); (2) the size: the largest of SIZES
 whose 20 tokens per parameter fit both the corpus's training windows (no repetition: the learners'
 disjoint shards together) and the decoupled arm's share of the budget at an *assumed* throughput,
