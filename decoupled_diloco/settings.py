@@ -68,6 +68,9 @@ ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'"
 
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
 _DERIVED = {"derived": True}
+# Set to 1 by scripts/gpu_triage.py only, in the one run that tries cuDNN attention with learners
+# sharing a GPU (to record whether it still crashes); every other run keeps the refusal below.
+CUDNN_SHARING_TRIAL_ENV = "DECOUPLED_DILOCO_TRIAL_CUDNN_SHARING"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1066,7 +1069,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
     _fail("model.attention", model_cfg.attention,
           f"runs on TPU only (config.devices.platform='tpu', not {devices.platform!r}): the Pallas "
           "splash kernel is built for TPU chips; use 'cudnn' on a GPU, 'xla' anywhere")
-  if model_cfg.attention == "cudnn" and devices.learners_sharing_devices > 1 and mode != "dp":
+  if (model_cfg.attention == "cudnn" and devices.learners_sharing_devices > 1 and mode != "dp"
+      and os.environ.get(CUDNN_SHARING_TRIAL_ENV) != "1"):
     _fail("model.attention", model_cfg.attention,
           f"cannot run with config.devices.learners_sharing_devices="
           f"{devices.learners_sharing_devices}: learners sharing a GPU that each ran cuDNN "

@@ -127,9 +127,20 @@ def flops_per_step(size: Mapping[str, Any]) -> float:
   return flops_lib.model_flops_per_token(shape, SEQ_LEN) * TOKENS_PER_STEP
 
 
-def train_tokens() -> int:
+def _corpus_bytes() -> int:
+  """Bytes (byte tokens) of the study's corpus: --data_source's file, else the bundled one."""
+  return os.path.getsize(_DATA_SOURCE.value) if _DATA_SOURCE.value else CORPUS_BYTES
+
+
+def common() -> dict[str, Any]:
+  """COMMON, with --data_source when one is given."""
+  source = {"data.source": os.path.abspath(_DATA_SOURCE.value)} if _DATA_SOURCE.value else {}
+  return {**COMMON, **source}
+
+
+def train_tokens(corpus_bytes: int = CORPUS_BYTES) -> int:
   """Tokens a run trains on: the corpus less the eval tail and the validation split."""
-  return int(CORPUS_BYTES * (1 - EVAL_FRACTION) * (1 - COMMON["data.validation_fraction"]))
+  return int(corpus_bytes * (1 - EVAL_FRACTION) * (1 - COMMON["data.validation_fraction"]))
 
 
 def steps_for(params: int, tokens_per_param: float) -> int:
@@ -137,7 +148,8 @@ def steps_for(params: int, tokens_per_param: float) -> int:
 
 
 def plan(sizes: Sequence[str], tokens_per_param: float, *, num_steps: int | None = None,
-         params: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+         params: Mapping[str, int] | None = None, corpus_bytes: int = CORPUS_BYTES
+         ) -> list[dict[str, Any]]:
   """One row per size: parameters, steps, tokens, tokens per parameter, epochs of the corpus.
   `num_steps` overrides the steps of every size (smoke runs: the tokens per parameter differ)."""
   rows = []
@@ -146,7 +158,7 @@ def plan(sizes: Sequence[str], tokens_per_param: float, *, num_steps: int | None
     steps = num_steps or steps_for(n, tokens_per_param)
     tokens = steps * TOKENS_PER_STEP
     rows.append({"size": name, "params": n, "steps": steps, "tokens": tokens,
-                 "tokens_per_param": tokens / n, "epochs": tokens / train_tokens()})
+                 "tokens_per_param": tokens / n, "epochs": tokens / train_tokens(corpus_bytes)})
   return rows
 
 
@@ -210,6 +222,9 @@ _CALIBRATE = flags.DEFINE_bool("calibrate", False, f"Time a {CALIBRATION_STEPS}-
 _TUNE = flags.DEFINE_bool("tune", False, f"Sweep each arm's inner learning rate over {TUNE_LRS} "
                           "at the smallest size (seed: the first), chosen on validation.")
 _OPTIONS = flags.DEFINE_bool("options", True, "Run the option arms at the largest size.")
+_DATA_SOURCE = flags.DEFINE_string(
+    "data_source", "", "One text file as the corpus (default: the bundled tiny-shakespeare), e.g. "
+    "prepare_code_corpus.py --text_out's; reported as results/study_scaling_<its name>.")
 
 
 def _size_overrides(row) -> dict[str, Any]:
@@ -241,7 +256,7 @@ def calibration(rows, seed: int, *, run: bool) -> dict[str, dict[str, float]]:
       arm = sc.Arm(f"{row['size']} calibration", {**SIZES[row["size"]], **ARMS["decoupled M=4"],
                                                   "num_steps": CALIBRATION_STEPS})
       try:
-        result = sc.run_study("scaling", [arm], [seed], base=COMMON, fresh=False,
+        result = sc.run_study("scaling", [arm], [seed], base=common(), fresh=False,
                               figures=figures)[arm.name][seed]
       except RuntimeError:
         if run:
@@ -288,7 +303,7 @@ def tune(rows, seed: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
   arms = [sc.Arm(f"tune {smallest['size']} {name} lr={lr:g}",
                  {**_size_overrides(smallest), **overrides, "inner.learning_rate": lr})
           for name, overrides in ARMS.items() for lr in TUNE_LRS]
-  runs = sc.run_study("scaling", arms, [seed], base=COMMON, fresh=_FRESH.value, figures=figures)
+  runs = sc.run_study("scaling", arms, [seed], base=common(), fresh=_FRESH.value, figures=figures)
   tried, best = [], {}
   for name in ARMS:
     scores = {lr: runs[f"tune {smallest['size']} {name} lr={lr:g}"][seed]["validation_loss"]
@@ -302,7 +317,8 @@ def main(argv):
   del argv
   from experiments import tiny_cpu  # pylint: disable=g-import-not-at-top
   seeds = [int(s) for s in _SEEDS.value]
-  rows = plan(_SIZES.value, _TOKENS_PER_PARAM.value, num_steps=_NUM_STEPS.value or None)
+  rows = plan(_SIZES.value, _TOKENS_PER_PARAM.value, num_steps=_NUM_STEPS.value or None,
+              corpus_bytes=_corpus_bytes())
   options, skipped = option_arms(tiny_cpu.get_config()) if _OPTIONS.value else ({}, [])
   for message in skipped:
     print(message, flush=True)
@@ -313,7 +329,7 @@ def main(argv):
   print(plan_table)
   print(f"{len(seeds)} seed(s); arms {list(ARMS)} at every size, {list(options)} at "
         f"{rows[-1]['size']}; {TOKENS_PER_STEP:,} tokens per step; the corpus trains "
-        f"{train_tokens():,} tokens per epoch.\n" + "\n".join(how) +
+        f"{train_tokens(_corpus_bytes()):,} tokens per epoch.\n" + "\n".join(how) +
         f"\nestimate: {seconds / 3600:.1f} h on {os.cpu_count()} CPU cores"
         + (" with the tuning sweep" if _TUNE.value else ""), flush=True)
   if _PLAN.value:
@@ -327,10 +343,11 @@ def main(argv):
       lr = lrs[name if name in ARMS else "decoupled M=4"]
       arms.append(sc.Arm(f"{row['size']} {name}",
                          {**_size_overrides(row), **overrides, "inner.learning_rate": lr}))
-  runs = sc.run_study("scaling", arms, seeds, base=COMMON, fresh=_FRESH.value, figures=figures)
+  runs = sc.run_study("scaling", arms, seeds, base=common(), fresh=_FRESH.value, figures=figures)
   report, markdown = _report(rows, runs, seeds, lrs, tried, skipped, options, seconds)
   report["step_times"] = how
-  stem = sc.write("scaling", report, markdown)
+  name = "scaling" + (f"_{pathlib.Path(_DATA_SOURCE.value).stem}" if _DATA_SOURCE.value else "")
+  stem = sc.write(name, report, markdown)
   _plot(stem, report)
 
 
@@ -394,6 +411,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
       f"--sizes={','.join(r['size'] for r in rows)} --tokens_per_param="
       f"{_TOKENS_PER_PARAM.value:g} --seeds={','.join(map(str, seeds))}"
       f"{f' --num_steps={_NUM_STEPS.value}' if _NUM_STEPS.value else ''}"
+      f"{f' --data_source={_DATA_SOURCE.value}' if _DATA_SOURCE.value else ''}"
       f"{' --tune' if tried else ''}`; {TOKENS_PER_STEP:,} tokens per step for every arm, "
       f"inner learning rates {lrs}; estimated {seconds / 3600:.1f} h.\n\n{_plan_table(rows)}\n\n"
       f"## Final eval loss (nats/token), mean (min-max) over seeds, and the gap to dp\n\n"
@@ -421,6 +439,7 @@ def _report(rows, runs, seeds, lrs, tried, skipped, options, seconds):
       markdown += f"\nAt the edge of the grid (the best may lie beyond it): {', '.join(edge)}.\n"
   print(markdown)
   report = {"plan": rows, "seeds": seeds, "tokens_per_param": _TOKENS_PER_PARAM.value,
+            "data_source": _DATA_SOURCE.value or "the bundled tiny-shakespeare",
             "tokens_per_step": TOKENS_PER_STEP, "inner_lr": lrs, "tune": tried,
             "skipped": skipped, "fits": fits, "published": {
                 "gaps": {k: {str(n): g for n, g in v.items()} for k, v in PUBLISHED.items()},

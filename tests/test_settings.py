@@ -196,8 +196,9 @@ def test_splash_attention_needs_tpu_chips_and_sequences_in_whole_blocks():
     settings.validate(config)
 
 
-def test_cudnn_attention_is_refused_for_learners_sharing_a_gpu_but_not_for_dp():
-  """Learners sharing a GPU that each ran cuDNN attention crashed the process on an H100."""
+def test_cudnn_attention_is_refused_for_learners_sharing_a_gpu_but_not_for_dp(monkeypatch):
+  """Learners sharing a GPU that each ran cuDNN attention crashed the process on an H100; only
+  scripts/gpu_triage.py's trial run (its environment variable) may try the pairing again."""
   config = tiny_cpu.get_config()
   config.update_from_flattened_dict({
       "model.dtype": "bfloat16", "model.attention": "cudnn", "devices.platform": "gpu",
@@ -206,6 +207,9 @@ def test_cudnn_attention_is_refused_for_learners_sharing_a_gpu_but_not_for_dp():
   with pytest.raises(ValueError, match=r"config.model.attention='cudnn'.*"
                                        r"learners_sharing_devices=4.*use 'xla'"):
     settings.validate(config)
+  monkeypatch.setenv(settings.CUDNN_SHARING_TRIAL_ENV, "1")
+  assert settings.validate(config).model.attention == "cudnn"
+  monkeypatch.delenv(settings.CUDNN_SHARING_TRIAL_ENV)
   config.mode = "dp"  # one job on the device
   settings.validate(config)
 

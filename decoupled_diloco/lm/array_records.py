@@ -16,6 +16,7 @@ learner samples its own disjoint shard of indices and the iterator state stays a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -177,14 +178,22 @@ def prepare(paths: list[str], tokenizer, *, tokenizer_spec: str, seq_len: int, o
   """
   check_prepare_args(seq_len=seq_len, out_dir=out_dir, eval_fraction=eval_fraction,
                      records_per_shard=records_per_shard, flag_prefix=flag_prefix)
-  made_dir = not os.path.isdir(out_dir)
-  os.makedirs(out_dir, exist_ok=True)
-  before = set(os.listdir(out_dir))
-  try:
+  with removed_on_failure(out_dir):
     return _prepare(paths, tokenizer, tokenizer_spec=tokenizer_spec, seq_len=seq_len,
                     out_dir=out_dir, eval_fraction=eval_fraction, text_field=text_field,
                     records_per_shard=records_per_shard, progress=progress,
                     flag_prefix=flag_prefix)
+
+
+@contextlib.contextmanager
+def removed_on_failure(out_dir: str):
+  """Makes `out_dir` if absent; on any failure (Ctrl-C too) removes the files written inside the
+  block again, and `out_dir` if this made it: half a dataset would look like one to the next try."""
+  made_dir = not os.path.isdir(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  before = set(os.listdir(out_dir))
+  try:
+    yield
   except BaseException:
     if made_dir:
       shutil.rmtree(out_dir, ignore_errors=True)
@@ -192,6 +201,20 @@ def prepare(paths: list[str], tokenizer, *, tokenizer_spec: str, seq_len: int, o
       for name in set(os.listdir(out_dir)) - before:
         os.remove(os.path.join(out_dir, name))
     raise
+
+
+def splits_meta(writers: dict[str, ShardWriter], seq_len: int) -> dict:
+  """The "train" and "eval" entries of meta.json: each split's shards, windows and tokens."""
+  return {s: {"shards": list(w.shards), "sequences": w.records, "tokens": w.records * (seq_len + 1)}
+          for s, w in writers.items()}
+
+
+def write_meta(out_dir: str, meta: dict) -> None:
+  """Writes meta.json, last: a directory is a dataset (`is_dataset_dir`) only once every shard is
+  closed. `meta` must hold what `read_meta` and the loader read (FORMAT, the splits, the
+  tokenizer, seq_len, dtype, skipped_by_reason)."""
+  with open(os.path.join(out_dir, META), "w", encoding="utf-8") as f:
+    json.dump(meta, f, indent=2)
 
 
 def _prepare(paths, tokenizer, *, tokenizer_spec, seq_len, out_dir, eval_fraction, text_field,
@@ -227,16 +250,13 @@ def _prepare(paths, tokenizer, *, tokenizer_spec, seq_len, out_dir, eval_fractio
   if tokenizer_spec != "byte":
     # A copy travels with the shards, so the dataset alone says how to decode it.
     shutil.copyfile(tokenizer_spec, os.path.join(out_dir, meta["tokenizer"]))
-  # Written last: a directory is a dataset (`is_dataset_dir`) only once every shard is closed.
-  with open(os.path.join(out_dir, META), "w", encoding="utf-8") as f:
-    json.dump(meta, f, indent=2)
+  write_meta(out_dir, meta)
   return meta
 
 
 def _meta(tokenizer, tokenizer_spec, seq_len, dtype, text_field, eval_fraction, paths, writers,
           packers, skipped, totals) -> dict:
-  splits = {s: {"shards": list(w.shards), "sequences": w.records, "tokens": w.records * (seq_len + 1)}
-            for s, w in writers.items()}
+  splits = splits_meta(writers, seq_len)
   return {
       "format": FORMAT,
       "tokenizer": "byte" if tokenizer_spec == "byte" else "tokenizer" + os.path.splitext(
