@@ -12,9 +12,17 @@ results/one_device_<size>.{json,md}, rewritten as each mode finishes. A mode tha
 past its time is stopped and reported from its metrics so far. `--repeats=N` runs the modes N
 times, alternately, each pair compared within itself (a shared host's load drifts).
 
+`--compare_own_devices` adds the mode `own_devices`: the same four learners, each on a device of its
+own (config.devices.learners_sharing_devices = 1; on a CPU five fake devices, one per learner and
+one for the syncer), run between the other modes in the same script. What sharing costs in
+goodput is then read within one run of the benchmark: goodput, late offers, the seconds each
+bucket got (useful, discarded, idle) and the steps an overwrite discarded per merge applied, for
+the sharing learners beside the ones on their own devices (issue 44).
+
   python scripts/bench_one_device.py                       # on a GPU: the 124M shape, 200 steps
   python scripts/bench_one_device.py --size=cpu --steps=60 # the same layout on one fake CPU device
   python scripts/bench_one_device.py --budget_s=240        # both modes within 4 minutes
+  python scripts/bench_one_device.py --size=cpu --compare_own_devices --modes=decoupled --repeats=2
 
 --budget_s bounds the whole script: each mode gets an equal share of what is left (less 10 s to
 write the results), or --mode_timeout_s if that is less. Nothing here imports JAX (it would take
@@ -29,6 +37,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import sys
 import time
 
@@ -40,6 +49,7 @@ CONFIG = "experiments/one_gpu.py"
 # The GPU run's 200 steps are 6.4M tokens, ~6 epochs of the bundled corpus at this size.
 DEFAULT_STEPS = {"gpu": 200, "cpu": 200}
 MODES = ("decoupled", "dp")
+OWN_DEVICES = "own_devices"  # --compare_own_devices: the four learners, each on its own device
 _RESERVE_S = 10.0  # of the budget, kept for writing the results
 
 
@@ -49,6 +59,9 @@ def main() -> None:
                       help="experiments/one_gpu.py's shape (default: gpu on a GPU, else cpu)")
   parser.add_argument("--steps", type=int, default=None, help="steps per learner (and of dp)")
   parser.add_argument("--modes", default=",".join(MODES))
+  parser.add_argument("--compare_own_devices", action="store_true",
+                      help="also run the learners each on a device of its own (mode own_devices), "
+                           "alternately with the others: goodput sharing vs own devices")
   parser.add_argument("--repeats", type=int, default=1,
                       help="run the modes this many times, alternately (a shared host's load "
                            "drifts: each pair's ratio is taken within the pair)")
@@ -79,6 +92,14 @@ def main() -> None:
     key, _, value = item.partition("=")
     overrides[key] = value
   modes = args.modes.split(",")
+  if args.compare_own_devices and OWN_DEVICES not in modes:
+    modes.insert(modes.index("decoupled") + 1 if "decoupled" in modes else len(modes), OWN_DEVICES)
+  unknown = sorted(set(modes) - set(MODES) - {OWN_DEVICES})
+  if unknown:
+    sys.exit(f"--modes: unknown mode(s) {', '.join(unknown)}; the modes are "
+             f"{', '.join(MODES + (OWN_DEVICES,))}")
+  if OWN_DEVICES in modes and size != "cpu" and probe["count"] < 4:
+    sys.exit(f"mode {OWN_DEVICES} needs a device per learner (4); this host has {probe['count']}")
   out = args.out or str(ROOT / "results" / f"one_device_{size}")
   command = "python scripts/bench_one_device.py " + " ".join(sys.argv[1:])
   print(f"{probe['kind']} ({probe['platform']}), experiments/one_gpu.py:{size}, {steps} steps, "
@@ -100,8 +121,10 @@ def main() -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     print(f"{mode} (repeat {repeat}): running (at most {timeout:.0f} s)", flush=True)
     summary = framework_runs.framework_run(
-        mode, {**overrides, "mode": mode}, workdir, timeout, config=f"{CONFIG}:{size}")
-    report["runs"].append({"mode": mode, "repeat": repeat, **figures(summary)})
+        mode, {**overrides, **mode_overrides(mode, size)}, workdir, timeout,
+        config=f"{CONFIG}:{size}")
+    report["runs"].append({"mode": mode, "repeat": repeat, **figures(summary),
+                           **round_figures(workdir)})
     print(f"{mode} (repeat {repeat}): " + ", ".join(
         f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
         for k, v in report["runs"][-1].items() if not isinstance(v, (list, dict))), flush=True)
@@ -111,6 +134,58 @@ def main() -> None:
   report["seconds"] = time.perf_counter() - started
   write(report, out)
   print(open(out + ".md", encoding="utf-8").read())
+
+
+def mode_overrides(mode: str, size: str) -> dict:
+  """The config of one mode: dp or decoupled as experiments/one_gpu.py has them, or own_devices,
+  the decoupled learners each on a device of its own (on a CPU: one fake device per learner and
+  one for the syncer, as the sharing learners have one for the four and one for the syncer)."""
+  if mode != OWN_DEVICES:
+    return {"mode": mode}
+  own = {"mode": "decoupled", "devices.learners_sharing_devices": 1}
+  if size == "cpu":
+    own["devices.num_fake_cpu_devices"] = 5
+  return own
+
+
+def round_figures(workdir: str) -> dict:
+  """What the run's own records say of its rounds (decoupled modes; empty for dp).
+
+  From the event tape: the learner steps an overwrite dropped per merge applied (the learner's step
+  at the apply less the step of its offer the merge took) and, per take, the batches the learner had
+  taken past the step it offered. From metrics.jsonl's merge records of the rounds during training:
+  the median seconds from a round's opening to its last offer landing (copy), of the grace window
+  it was given, of the merge's wait for a worker (queue) and from closing to broadcast (sync), and
+  the mean learners per merge. Together they say whether offers come late because they land after
+  the window (copy > grace), or progress is dropped because merges wait (queue)."""
+  tape = os.path.join(workdir, "tape.jsonl")
+  if not os.path.exists(tape):
+    return {}
+  dropped, ahead = [], []
+  for event in _records(tape):
+    if event.get("kind") == "apply" and event.get("merged") is not None:
+      dropped.append(event["step"] - event["merged"])
+    elif event.get("kind") == "take":
+      ahead.append(event["batches"] - event["step"])
+  out = {}
+  if dropped:
+    out["steps_dropped_per_apply"] = sum(dropped) / len(dropped)
+  if ahead:
+    out["batches_ahead_of_offer"] = sum(ahead) / len(ahead)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  merges = [r for r in _records(metrics) if r.get("kind") == "merge" and not r.get("final")]
+  if merges:
+    for key in ("copy_s", "grace_window_s", "queue_s", "sync_s"):
+      out[f"median_{key}"] = statistics.median(r[key] for r in merges)
+    out["learners_per_merge"] = sum(len(r["learners"]) for r in merges) / len(merges)
+  return out
+
+
+def _records(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def figures(summary: dict) -> dict:
@@ -141,7 +216,13 @@ def figures(summary: dict) -> dict:
         **{k: summary[k] for k in ("init_compile_s", "train_compile_s", "eval_compile_s",
                                    "syncer_compile_s", "merges", "merges_due",
                                    "merges_before_flush", "late_offers", "heartbeat_absences",
-                                   "double_merged_offers", "goodput") if k in summary},
+                                   "double_merged_offers", "goodput", "stale_answers",
+                                   "due_while_in_flight", "rounds_without_quorum")
+           if k in summary},
+        # Seconds of every learner's window in each goodput bucket, summed over learners.
+        "buckets_s": {k: round(sum(b[k] for b in summary["time_buckets"].values()), 2)
+                      for k in ("useful", "discarded", "idle")} if "time_buckets" in summary
+                     else None,
         "evals": [[e["step"], e["eval_loss"]] for e in summary["eval_history"]]})
     return keep
   partial = summary.get("partial", {})
@@ -161,11 +242,19 @@ def figures(summary: dict) -> dict:
 
 
 def compare(modes: dict) -> dict:
-  """Decoupled over dp: tokens/s, and eval loss at every step both evaluated (equal tokens)."""
-  if "decoupled" not in modes or "dp" not in modes:
-    return {}
-  a, b = modes["decoupled"], modes["dp"]
+  """Decoupled over dp: tokens/s, and eval loss at every step both evaluated (equal tokens); and
+  the sharing learners beside the ones on their own devices: goodput and late offers."""
   ratios = {}
+  a = modes.get("decoupled")
+  own = modes.get(OWN_DEVICES)
+  if a is not None and own is not None:
+    if a.get("goodput") is not None and own.get("goodput") is not None:
+      ratios["goodput_sharing_minus_own_devices"] = a["goodput"] - own["goodput"]
+    if a.get("tokens_per_s") and own.get("tokens_per_s"):
+      ratios["tokens_per_s_sharing_over_own_devices"] = a["tokens_per_s"] / own["tokens_per_s"]
+  if a is None or "dp" not in modes:
+    return ratios
+  b = modes["dp"]
   if a.get("tokens_per_s") and b.get("tokens_per_s"):
     ratios["tokens_per_s_decoupled_over_dp"] = a["tokens_per_s"] / b["tokens_per_s"]
   if a.get("final_eval_loss") and b.get("final_eval_loss"):
@@ -188,13 +277,14 @@ def write(report: dict, out: str) -> None:
            f"{report['steps']} steps, {report['date']}. `{report['command']}`", "",
            "| mode | status | final eval | tokens/s | tokens/s/device | MFU | first step s "
            "(process start / build start) | "
-           "device peak GB (planned) | build s | merges / due |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "device peak GB (planned) | build s | merges / due | goodput | late offers | "
+           "buckets s (useful / discarded / idle) | steps dropped per apply |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   repeats = len({r["repeat"] for r in report["runs"]})
   for r in report["runs"]:
     mode = r["mode"] + (f" ({r['repeat']})" if repeats > 1 else "")
     if r["status"] == "skipped":
-      lines.append(f"| {mode} | skipped: {r['why']} | | | | | | | | |")
+      lines.append(f"| {mode} | skipped: {r['why']} | | | | | | | | | | | | |")
       continue
     merges = f"{r['merges_before_flush']} / {r['merges_due']}" if r.get("merges_due") else "-"
     mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
@@ -205,8 +295,21 @@ def write(report: dict, out: str) -> None:
         f"{num(r.get('tokens_per_s'), ',.0f')} | {num(r.get('tokens_per_s_per_device'), ',.0f')} "
         f"| {mfu} | {num(r['process_to_first_step_s'], '.1f')} / "
         f"{num(r.get('first_step_s'), '.1f')} | {gb(r.get('device_peak_bytes'))} "
-        f"({gb(r['planned_device_bytes'])}) | {num(r.get('build_seconds'), '.1f')} | {merges} |")
+        f"({gb(r['planned_device_bytes'])}) | {num(r.get('build_seconds'), '.1f')} | {merges} | "
+        f"{num(r.get('goodput'), '.3f')} | {num(r.get('late_offers'), 'd')} | "
+        + (" / ".join(f"{r['buckets_s'][k]:.1f}" for k in ("useful", "discarded", "idle"))
+           if r.get("buckets_s") else "-")
+        + f" | {num(r.get('steps_dropped_per_apply'), '.2f')} |")
   lines.append("")
+  for r in report["runs"]:
+    if r.get("median_sync_s") is not None:
+      mode = r["mode"] + (f" ({r['repeat']})" if repeats > 1 else "")
+      lines.append(
+          f"- {mode} rounds, medians: copy {r['median_copy_s']:.4f} s, grace window "
+          f"{r['median_grace_window_s']:.4f} s, queue {r['median_queue_s']:.4f} s, sync "
+          f"{r['median_sync_s']:.4f} s; {r['learners_per_merge']:.2f} learners per merge; "
+          f"{r.get('stale_answers', 0)} stale answers, {r.get('due_while_in_flight', 0)} "
+          f"fragments due while in flight")
   for repeat, comparison in enumerate(report["comparison"]):
     prefix = f"repeat {repeat}: " if repeats > 1 else ""
     for key, value in comparison.items():

@@ -13,7 +13,9 @@ import pytest
 
 from conftest import tiny_settings
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.algorithm import receive as receive_lib
 from decoupled_diloco.lm import data as data_lib
+from decoupled_diloco.lm import model as model_lib
 from decoupled_diloco.lm import tokenizers
 from decoupled_diloco.runtime.core import device_share
 from decoupled_diloco.runtime.core import devices
@@ -118,6 +120,50 @@ def test_four_learners_on_one_device_train_and_merge_as_on_four_devices(tmp_path
   assert turns is not None and all(l._turns is turns for l in shared_run.learners)
   assert turns.in_use == 0 and turns.most_at_once <= device_share.SLOTS
   assert sorted(set(turns.admitted)) == [0, 1, 2, 3]
+
+
+def test_sharing_learners_start_compiled_and_publish_each_step_as_soon_as_it_has_completed(tmp_path):
+  """Issue 44, two ways learners sharing a device lost goodput.
+
+  With stacked layers (experiments/one_gpu.py's model) the syncer reads a fragment of a learner
+  with a program on the learner's device, and a learner writes a merged one with another. Compiled
+  at first use, the reads held the syncer's thread while it took every fragment's first offers:
+  four learners sharing a fake CPU device ran on ~100 steps before the first merges came back, and
+  those overwrites dropped 33-83 steps each (goodput 0.65). The build compiles them now: the first
+  take and install of a run compile nothing.
+
+  A step taken in turn has completed when its turn ends, but the learner published the state after
+  step s (and reported step s) only once step s + 1 had completed, a whole turn of the group later:
+  every offer was a step older than it could be. Now the state after step s is published before
+  step s + 1 is dispatched."""
+  model_lib._layer_of.clear_cache()  # pylint: disable=protected-access
+  model_lib._with_layer.clear_cache()  # pylint: disable=protected-access
+  published_at = {}  # step about to be made -> step of learner 0's latest publication then
+
+  def hook(index, step):
+    if index == 0:
+      published_at[step] = run.learners[0].published.step
+
+  run = train.build(tiny_settings(tmp_path, num_steps=4, num_learners=2, model__scan_layers=True,
+                                  learner_mesh_shapes=((1, 1),),
+                                  devices__learners_sharing_devices=2), step_hook=hook)
+  compiled = (model_lib._layer_of._cache_size(), model_lib._with_layer._cache_size())  # pylint: disable=protected-access
+  learner = run.learners[0]
+  layout = learner.layout
+  params = learner.published.params
+  flat = learner.flat_params()  # what the syncer's takes read, every flat tensor
+  shardings = layout.flat_shardings({n: a.sharding for n, a in params.items()})
+  updates = {name: receive_lib.receive(np.asarray(value, np.float32), value, alpha=0.0,
+                                       sharding=shardings[name])
+             for name, value in flat.items() if layout.where[name][1] is not None}
+  jax.block_until_ready(layout.set(params, updates))  # a merged fragment installed
+  assert len(updates) == len(flat) - 2  # all but the embedding and the final norm: stacked
+  assert compiled[0] >= 1 and compiled[1] >= 1, f"compiled at build (reads, writes): {compiled}"
+  assert (model_lib._layer_of._cache_size(),  # pylint: disable=protected-access
+          model_lib._with_layer._cache_size()) == compiled  # pylint: disable=protected-access
+  summary = train.execute(run, progress=False)
+  assert summary["learner_steps"] == [4] * 2 and summary["learner_errors"] == [None] * 2
+  assert published_at == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
 _IDENTITY = dict(outer__name="sgd", outer__learning_rate=1.0, outer__momentum=0.0,

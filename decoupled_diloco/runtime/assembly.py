@@ -293,6 +293,9 @@ def learner_parts(settings: settings_lib.RunSettings, index: int, mesh, graphdef
     params = {n: jax.device_put(v, shardings[n]) for n, v in initial.items()}
     state = inner.init_train_state(params, tx, mesh, shardings)
     warm_up(train_step, state, batch_size, settings.data.seq_len)
+    # The reads and writes of one layer of stacked parameters, compiled here and not while the
+    # learners race ahead of a syncer stalled by compiling them (ParamLayout.warm_up).
+    model_lib.param_layout(settings.model).warm_up(state.params)
   seconds = time.perf_counter() - started
   loader = data_lib.make_train_loader(
       dataset.train, seq_len=settings.data.seq_len, batch_size=batch_size,

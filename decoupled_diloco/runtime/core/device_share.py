@@ -17,7 +17,9 @@ before its last one completes, so its host work between steps overlaps its peers
 of its own. Four tiny learners on one fake CPU device made 0.86x and 0.92x the tokens/s with
 turns as without (one run each way, twice, alternated, on a loaded 2-core box), and in those runs
 their longest step was 2.8-5.5x their median with turns, 2.7-5.1x without: the framework's own
-host work between steps kept the free-for-all fairer than the bare loop above.
+host work between steps kept the free-for-all fairer than the bare loop above. Since a step has
+completed when its turn ends, the learner publishes the state after it (and reports the step) then,
+not after its next turn as a learner that dispatches ahead does (runtime/core/learner.py; issue 44).
 
 What each learner then measures: its step time (from one completed step to the next, on its own
 thread) is one turn of the whole group, n x the device's time for one step when n learners train.

@@ -421,6 +421,11 @@ class Learner:
       self._took(batch)
       tokens = int(batch["targets"].size)
       self._publishable(current)  # with donation: the copy to publish, before `current` is gone
+      if self._turns is not None:
+        # Completed, with the merges that arrived applied: the syncer may take it while this
+        # learner waits for its turn (an offer refused as stale, for a merge not yet applied,
+        # is good again at once, not a turn later).
+        self._publish(current)
       self._state, step_metrics = self._step_in_turn(current, batch)
       # The previous step's loss is read after this one is dispatched, which keeps the devices
       # busy (nanodo's pattern); a step's time is the time between two completed steps. Once it
@@ -428,7 +433,7 @@ class Learner:
       # describe it.
       if in_flight is not None:
         last_done = self._complete(in_flight, last_done, current)
-      else:
+      elif self._turns is None:
         self._publish(current)
       self.step += 1
       self.steps_made += 1
@@ -438,6 +443,13 @@ class Learner:
       # behind) went out with the position before this step's batch.
       self._data_state = self.data_position()
       in_flight = (self.step, tokens, step_metrics)
+      if self._turns is not None:
+        # A step taken in turn has completed already (`_step_in_turn`): published now, not after
+        # the next turn, the syncer's takes are a step fresher and the report a turn earlier.
+        # Four learners sharing a device with 8-token steps took every offer two batches behind
+        # the learner, where learners on devices of their own took them one to two (issue 44).
+        last_done = self._complete(in_flight, last_done, self._state)
+        in_flight = None
       if self._trace is not None:
         self._trace.after_step(self.step, self._state)
       if opts.step_delay_s or opts.step_noise_s:
