@@ -304,7 +304,16 @@ class FusedMerge:
     return combine, outer_step
 
   def _broadcast_programs(self, shape):
-    """(encode, finish): the delta's wire (a `prepare` program), then its payload and R."""
+    """(encode, finish): the delta's wire (a `prepare` program), then its payload and R. Kept
+    per shape: finding them anew traces `_prepare_fn` (`jax.eval_shape`), a few milliseconds a
+    tensor, which was most of the delta broadcast's time."""
+    key = ("broadcast", shape)
+    with self._lock:
+      if key not in self._programs:
+        self._programs[key] = self._new_broadcast_programs(shape)
+      return self._programs[key]
+
+  def _new_broadcast_programs(self, shape):
     fmt = self._delta_fmt
     encode = self._prepare_program(shape, fmt)
     example = jax.ShapeDtypeStruct(shape, np.float32)
