@@ -114,6 +114,34 @@ def _decoded_sumsq_fn():
   return decoded_sumsq
 
 
+def _unwire_fn(fmt: str, shape, block_size: int):
+  """A carried offer's payload (`compression.encode`'s arrays) as the wire `_prepare_fn` makes
+  (int codes in [K, block_size] blocks, or bf16 in the tensor's shape), with the sums of squares
+  per block of its decoded values and whether every block is clear of subnormals (XLA:CPU
+  flushes them, numpy's decoder does not)."""
+  n = math.prod(shape)
+
+  def unwire(*payload):
+    if fmt == "bf16":
+      wire_N = payload[0]
+      # float32 bits are bfloat16's followed by 16 zeros: a shift, not XLA's slower convert.
+      high = lax.bitcast_convert_type(wire_N, jnp.uint16).astype(jnp.uint32) << np.uint32(16)
+      x_KxB = xla_codec.blocks(lax.bitcast_convert_type(high, jnp.float32), _SUM_BLOCK)
+      bits = lax.bitcast_convert_type(x_KxB, jnp.int32) & np.int32(0x7FFFFFFF)
+      subnormal = jnp.where(bits < np.int32(1 << 23), bits, 0)  # its bits, else 0
+      largest, dec_sq = xla_codec.block_max_and_sumsq(subnormal, x_KxB)
+      return (wire_N.reshape(shape),), dec_sq, jnp.max(largest) == 0
+    packed, scale_K = payload
+    k = scale_K.shape[0]
+    q_N = xla_codec.unpack(packed, fmt, n)
+    q_KxB = jnp.pad(q_N, (0, k * block_size - n)).reshape(k, block_size)
+    dec_sq = _decoded_sumsq_fn()(q_KxB, scale_K)
+    # A block whose scale is below 2^-100 goes through numpy: its q s may be subnormal.
+    return (q_KxB, scale_K), dec_sq, xla_codec.clear_of_subnormals(scale_K)
+
+  return unwire
+
+
 def _bf16_sums(x_KxB):
   """Per block: Σ x², Σ bf16(x)², and how many values lie in (0, 2^-126) (XLA:CPU flushes those,
   ml_dtypes keeps them: such a tensor is encoded by numpy)."""
@@ -361,7 +389,8 @@ class FusedMerge:
     """(format, wire, Σ raw², Σ decoded²) of one tensor of one offer, its programs run to the end."""
     fmt, wire, raw_sq, dec_sq, exact = self._dispatch_prepare(offer, name)
     if not bool(exact):
-      fmt, wire, raw_sq, dec_sq = self._numpy_wire(offer, name)
+      fmt, wire, raw_sq, dec_sq = (("fp32",) + self._carried_wire(offer, name)
+                                   if offer.encoded is not None else self._numpy_wire(offer, name))
     jax.block_until_ready(wire)
     return fmt, wire, _sum_blocks(raw_sq), _sum_blocks(dec_sq)
 
@@ -369,7 +398,7 @@ class FusedMerge:
     if self._fmt is None:
       return ("fp32",) + self._numpy_wire(offer, name)[1:] + (True,)
     if offer.encoded is not None:
-      return ("fp32",) + self._carried_wire(offer, name) + (True,)
+      return self._dispatch_carried(offer.encoded[name])
     anchor = offer.anchor[name]
     values = np.asarray(offer.values[name], np.float32)  # no copy for a float32 host array
     program = self._prepare_program(values.shape, self._fmt)
@@ -379,13 +408,31 @@ class FusedMerge:
       dec_sq = self._decoded_sumsq_program(values.shape)(*wire)
     return (self._fmt, wire, raw_sq, dec_sq, exact)
 
-  def _carried_wire(self, offer: messages.Offer, name: str):
-    """An offer that crossed a network carries Delta_m encoded already (`Offer.for_the_wire`):
-    its decoded values travel on as fp32, rounded once, where the learner encoded them. Its raw
-    norm is the decoded one: the syncer never saw another."""
-    decoded = offer.outer_gradient(name)
+  def _dispatch_carried(self, enc: compression_lib.Encoded):
+    """A carried tensor's payload through `_unwire_fn` (formats with a jnp decoder, the
+    merge's block size); else numpy's decoder (`_carried_wire`)."""
+    fmt, shape = enc.fmt, tuple(enc.shape)
+    if (fmt not in ("bf16",) + tuple(xla_codec.QMAX) or enc.block_size != self._block_size
+        or not shape):
+      return ("fp32",) + self._carried_wire_of(enc) + (True,)
+    payload = tuple(np.asarray(a) for a in enc.payload)
+    program = self._compiled(("unwire", shape, fmt),
+                             lambda: _unwire_fn(fmt, shape, self._block_size),
+                             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in payload))
+    wire, dec_sq, exact = program(*payload)
+    return (fmt, wire, dec_sq, dec_sq, exact)
+
+  def _carried_wire_of(self, enc: compression_lib.Encoded):
+    """(wire, Σ raw², Σ decoded²) of a carried tensor through numpy's decoder, as fp32."""
+    decoded = compression_lib.decode(enc)
     squares = np.square(decoded, dtype=np.float64).reshape(-1)
     return (decoded,), squares, squares
+
+  def _carried_wire(self, offer: messages.Offer, name: str):
+    """An offer that crossed a network carries Delta_m encoded already (`Offer.for_the_wire`):
+    numpy's decoder, its values travelling on as fp32, where `_unwire_fn` cannot take it. Its
+    raw norm is the decoded one: the syncer never saw another."""
+    return self._carried_wire_of(offer.encoded[name])
 
   def _numpy_wire(self, offer: messages.Offer, name: str):
     """The numpy encoder's round trip of one tensor, travelling on as fp32 (int1, subnormals)."""
