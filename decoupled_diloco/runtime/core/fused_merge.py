@@ -29,6 +29,8 @@ Theta_p and its outer state are not donated: a merge computes the next Theta_p w
 the current one, which a checkpoint, an evaluation or a joining learner may be reading meanwhile
 (`GlobalModel.install` makes the new one current). Formats without a jnp encoder (int1), and
 tensors `compression_xla` flags near subnormals, go through numpy's encoder and travel on as fp32.
+An offer that arrives encoded (Ray, `Offer.for_the_wire`) skips step 1's encoding: its bf16 or int
+payload is unpacked into the same wire by `_unwire_fn`, with the sums of squares of its values.
 """
 
 from __future__ import annotations
