@@ -319,6 +319,7 @@ def main():
                                   embedding_names=(model_lib.EMBEDDING_NAME,))
   fragment = sorted(parts, key=lambda f: (sum(f.sizes), f.index))[len(parts) // 2]
   paths = tuple(args.paths.split(","))
+  load_before = os.getloadavg()[0]  # other jobs on the host starve the merge's second thread
   machine = f"{os.cpu_count()} CPU cores"
   rows = []
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -332,9 +333,12 @@ def main():
             + " | ".join(f"{p} {report[p]['seconds']['total']:.4f} s "
                          f"({report[p]['ratio']['total']:.2f}x)" for p in paths), flush=True)
   report = _report(rows, paths, args, machine)
+  report["load_average_1min"] = {"start": load_before, "end": os.getloadavg()[0]}
   report["fragment_params"] = int(sum(fragment.sizes))
   report["model_params"] = int(model_lib.num_params(shapes))
-  markdown = _markdown(report, paths)
+  markdown = _markdown(report, paths) + (
+      f"\nThe host's 1-minute load average: {load_before:.1f} at the start, "
+      f"{report['load_average_1min']['end']:.1f} at the end.\n")
   if args.learner_step_s > 0:
     markdown = _keep_up(report, args.learner_step_s) + "\n" + markdown
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
