@@ -18,7 +18,9 @@ as XLA's and Ray's are). Both merges run: `fused` (runtime/core/fused_merge.py) 
 (`GlobalModel(fused=False)`: the per-tensor programs over numpy-encoded outer gradients, the merge
 before issue 41). Floor and merges alternate within each repeat, so a load that hits one hits the
 others; the fastest of `--repeats` is kept for each, and ratios are taken between figures of the
-same run only. "threads" is the process's CPU seconds over wall seconds while a part ran.
+same run only. "threads" is the floor's (1 or 2, the faster), then the fused merge's worker
+threads (`FusedMerge.threads`), then per path the process's CPU seconds over wall seconds while
+the merge ran.
 
   python scripts/bench_merge.py                        # the table: M = 4, 8 x bf16/int8/int4 x fp32/int4-delta
   python scripts/bench_merge.py --rows=8:int4:fp32 --paths=fused --repeats=3
@@ -103,6 +105,7 @@ class Row:
   threads: dict = dataclasses.field(default_factory=dict)  # path -> cpu/wall
   faults: dict = dataclasses.field(default_factory=dict)  # path -> fewest page faults per merge
   cpu_s: dict = dataclasses.field(default_factory=dict)  # path -> fewest CPU seconds per merge
+  workers: int | None = None  # the fused merge's worker threads
 
 
 def _setup(row: Row, fragment, initial, defaults, fused: bool):
@@ -221,6 +224,8 @@ def run_row(row: Row, fragment, shapes, defaults, paths, repeats: int, pool) -> 
       for part, seconds in parts.items():
         row.best[(path, part)] = min(row.best.get((path, part), float("inf")), seconds)
   row.threads = {path: round(c / w, 2) for path, (c, w) in cpu_wall.items()}
+  if "fused" in models:
+    row.workers = models["fused"]._fused.threads  # pylint: disable=protected-access
   return row
 
 
@@ -232,6 +237,7 @@ def _report(rows, paths, args, machine) -> dict:
     entry = {"learners": row.learners, "outer_grad": row.outer_grad,
              "broadcast": row.broadcast, "floor_s": floor,
              "floor_threads": row.best[("floor", "total")][1], "merge_threads": row.threads,
+             "fused_worker_threads": row.workers,
              "page_faults_per_merge": row.faults, "cpu_s_per_merge": row.cpu_s}
     for path in paths:
       seconds = {p: row.best[(path, p)] for p in PARTS + ("total",)}
@@ -247,14 +253,16 @@ def _markdown(report, paths) -> str:
            "repeats, floor and merges alternating within each repeat. Seconds per merge of one "
            "8.4M-parameter fragment; ratio = merge / floor of the same run.", "",
            "| M | outer gradients | broadcast | floor (s) | " + " | ".join(
-               f"{p} (s) | {p} / floor" for p in paths) + " | threads (floor; merge) | "
+               f"{p} (s) | {p} / floor" for p in paths) + " | threads (floor; fused workers, CPU s / wall s) | "
            "page faults per merge |",
            "|---|---|---|---|" + "---|---|" * len(paths) + "---|---|"]
   for r in report["rows"]:
     cells = [str(r["learners"]), r["outer_grad"], r["broadcast"], f"{r['floor_s']['total']:.4f}"]
     for p in paths:
       cells += [f"{r[p]['seconds']['total']:.4f}", f"{r[p]['ratio']['total']:.2f}x"]
-    cells.append(f"{r['floor_threads']}; " + ", ".join(
+    workers = r.get("fused_worker_threads")
+    cells.append(f"{r['floor_threads']}; " + ("" if workers is None else f"{workers} workers, ")
+                 + ", ".join(
         f"{p} {t}" for p, t in r["merge_threads"].items()))
     cells.append(", ".join(f"{p} {n}" for p, n in r["page_faults_per_merge"].items()))
     lines.append("| " + " | ".join(cells) + " |")
@@ -311,6 +319,7 @@ def main():
                                   embedding_names=(model_lib.EMBEDDING_NAME,))
   fragment = sorted(parts, key=lambda f: (sum(f.sizes), f.index))[len(parts) // 2]
   paths = tuple(args.paths.split(","))
+  load_before = os.getloadavg()[0]  # other jobs on the host starve the merge's second thread
   machine = f"{os.cpu_count()} CPU cores"
   rows = []
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -324,9 +333,12 @@ def main():
             + " | ".join(f"{p} {report[p]['seconds']['total']:.4f} s "
                          f"({report[p]['ratio']['total']:.2f}x)" for p in paths), flush=True)
   report = _report(rows, paths, args, machine)
+  report["load_average_1min"] = {"start": load_before, "end": os.getloadavg()[0]}
   report["fragment_params"] = int(sum(fragment.sizes))
   report["model_params"] = int(model_lib.num_params(shapes))
-  markdown = _markdown(report, paths)
+  markdown = _markdown(report, paths) + (
+      f"\nThe host's 1-minute load average: {load_before:.1f} at the start, "
+      f"{report['load_average_1min']['end']:.1f} at the end.\n")
   if args.learner_step_s > 0:
     markdown = _keep_up(report, args.learner_step_s) + "\n" + markdown
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

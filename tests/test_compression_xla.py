@@ -106,3 +106,20 @@ def test_the_delta_broadcast_adds_up_as_the_learners_do(fmt):
                                 compression.encode(theta - received, fmt, 64).payload[0].view(
                                     np.uint8))
   np.testing.assert_array_equal(new_received, received + compression.decode(sent))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("shape", [(300, 64), (33, 7)])
+def test_a_carried_payload_unwires_to_what_numpy_decodes(fmt, shape):
+  """A Ray offer's encoded Delta_m enters the fused merge as its codes and scales (`_unwire_fn`):
+  they decode to numpy's values, bit for bit, with numpy's sums of squares."""
+  x = _tensor(shape, 3)
+  enc = compression.encode(x, fmt, 64)
+  (q_KxB, scale_K), dec_sq, exact = _compiled(fused_merge._unwire_fn(fmt, shape, 64),
+                                              *enc.payload)
+  decoded = np.asarray(xla_codec.decode_blocks(q_KxB, scale_K)).reshape(-1)[:x.size]
+  want = compression.decode(enc).reshape(-1)
+  assert bool(exact)
+  np.testing.assert_array_equal(decoded, want)
+  np.testing.assert_allclose(np.sum(np.asarray(dec_sq, np.float64)),
+                             np.sum(np.square(want, dtype=np.float64)), rtol=1e-6)

@@ -27,7 +27,8 @@ OFFERING = (0, 2, 3)  # learner 1 is absent: a slot of weight 0
 REL_TOL = 1e-6
 
 
-def _model(fused, outer_grad="bf16", broadcast_delta="none", staleness_scaling="none"):
+def _model(fused, outer_grad="bf16", broadcast_delta="none", staleness_scaling="none",
+           merge_threads=2):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, 2, "balanced",
                                       embedding_names=("embedder/embedding",))
@@ -40,7 +41,8 @@ def _model(fused, outer_grad="bf16", broadcast_delta="none", staleness_scaling="
       merge=default_settings("merge"),
       compression=default_settings("compression", outer_grad=outer_grad,
                                    broadcast_delta=broadcast_delta),
-      num_learners=LEARNERS, staleness_scaling=staleness_scaling, fused=fused)
+      num_learners=LEARNERS, staleness_scaling=staleness_scaling, fused=fused,
+      merge_threads=merge_threads)
   model.compile()
   return model
 
@@ -109,6 +111,18 @@ def test_fused_merge_equals_the_reference_within_float32_rounding(outer_grad, br
                                       before[name] + compression.decode(expected))
     merged += 1
   assert merged == 4
+
+
+def test_the_fused_merge_is_the_same_bit_for_bit_on_one_thread_and_on_two():
+  one = _model(True, "int4", "int4", merge_threads=1)
+  two = _model(True, "int4", "int4", merge_threads=2)
+  for p, got, want, got_screen, want_screen, _ in _merge_both(two, one):
+    assert got_screen.norms == want_screen.norms
+    for name in want.theta:
+      np.testing.assert_array_equal(got.theta[name], want.theta[name])
+      np.testing.assert_array_equal(got.received[name], want.received[name])
+      for a, b in zip(jax.tree.leaves(got.opt_state[name]), jax.tree.leaves(want.opt_state[name])):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_staleness_scaling_in_the_fused_merge_equals_the_reference():

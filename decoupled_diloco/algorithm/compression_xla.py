@@ -79,16 +79,20 @@ def _lanes(x_KxB):
 
 def block_absmax_and_sumsq(x_KxB):
   """Per block: (max |x|, sum of x^2 in float32), in one pass over x."""
-  bits = lax.bitcast_convert_type(x_KxB, jnp.int32) & _SIGN_OFF
-  operands = (_lanes(bits), _lanes(jnp.square(x_KxB)))
+  bits, sumsq = block_max_and_sumsq(lax.bitcast_convert_type(x_KxB, jnp.int32) & _SIGN_OFF, x_KxB)
+  return lax.bitcast_convert_type(bits, jnp.float32), sumsq
+
+
+def block_max_and_sumsq(ints_KxB, x_KxB):
+  """Per block: (max of non-negative int32s, sum of x^2 in float32), in one pass over both."""
+  operands = (_lanes(ints_KxB), _lanes(jnp.square(x_KxB)))
 
   def max_and_add(a, b):
     return jnp.maximum(a[0], b[0]), a[1] + b[1]
 
   zeros = (np.int32(0), np.float32(0))
-  bits, sumsq = lax.reduce(operands, zeros, max_and_add, (1,))
-  bits, sumsq = lax.reduce((bits, sumsq), zeros, max_and_add, (1,))
-  return lax.bitcast_convert_type(bits, jnp.float32), sumsq
+  ints, sumsq = lax.reduce(operands, zeros, max_and_add, (1,))
+  return lax.reduce((ints, sumsq), zeros, max_and_add, (1,))
 
 
 def block_sums(x_KxB):
@@ -174,6 +178,18 @@ def pack(q_N, fmt: str):
   for k in range(1, per_byte):
     packed = packed | (codes[:, k] << (bits * k))
   return packed
+
+
+def unpack(packed, fmt: str, n: int):
+  """The n int8 codes `pack` packed (int8: the codes themselves), as `compression.decode` reads
+  them: low bits first, the offset taken off."""
+  if fmt == "int8":
+    return packed.astype(jnp.int8)
+  per_byte, offset = (2, 8) if fmt == "int4" else (4, 1)
+  bits = 8 // per_byte
+  mask = np.uint8((1 << bits) - 1)
+  codes = jnp.stack([(packed >> np.uint8(bits * k)) & mask for k in range(per_byte)], axis=-1)
+  return (codes.reshape(-1)[:n].astype(jnp.int32) - offset).astype(jnp.int8)
 
 
 def payload(x, fmt: str, block_size: int, qmax_K=None):

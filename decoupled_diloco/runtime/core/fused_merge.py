@@ -19,16 +19,26 @@ program read a stacked copy. Here, per tensor of fragment p:
 Programs are compiled per (tensor shape, format) on the syncer's device, ahead of time by
 `compile` and cached: their number does not grow with the model's depth.
 
+XLA:CPU runs each of these programs on one thread, compute-bound at about a third of what numpy
+reads in a second (issue 41). The programs of different tensors and offers are independent, and a
+call releases the GIL while XLA runs it: `threads` (default 2) worker threads each take the next
+(offer, tensor) or tensor, largest first, and run its programs to the end. Which thread ran a
+program changes nothing in its result, so the merge is bit for bit the same with any number.
+
 Theta_p and its outer state are not donated: a merge computes the next Theta_p without changing
 the current one, which a checkpoint, an evaluation or a joining learner may be reading meanwhile
 (`GlobalModel.install` makes the new one current). Formats without a jnp encoder (int1), and
 tensors `compression_xla` flags near subnormals, go through numpy's encoder and travel on as fp32.
+An offer that arrives encoded (Ray, `Offer.for_the_wire`) skips step 1's encoding: its bf16 or int
+payload is unpacked into the same wire by `_unwire_fn`, with the sums of squares of its values.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -89,6 +99,13 @@ def _prepare_fn(fmt: str, block_size: int):
   return prepare
 
 
+def _tensor_size(offer: messages.Offer, name: str) -> int:
+  """Values in one tensor of an offer, whether it carries them or their encoding."""
+  if offer.encoded is not None and name in offer.encoded:
+    return math.prod(offer.encoded[name].shape)
+  return int(np.size(offer.values[name]))
+
+
 def _decoded_sumsq_fn():
   """Per block, Σ (q s)² = s² Σ q² of an int wire (exact integer sums of the codes)."""
 
@@ -97,6 +114,34 @@ def _decoded_sumsq_fn():
     return jnp.square(scale_K) * xla_codec.block_sums(jnp.square(q_KxB.astype(jnp.float32)))
 
   return decoded_sumsq
+
+
+def _unwire_fn(fmt: str, shape, block_size: int):
+  """A carried offer's payload (`compression.encode`'s arrays) as the wire `_prepare_fn` makes
+  (int codes in [K, block_size] blocks, or bf16 in the tensor's shape), with the sums of squares
+  per block of its decoded values and whether every block is clear of subnormals (XLA:CPU
+  flushes them, numpy's decoder does not)."""
+  n = math.prod(shape)
+
+  def unwire(*payload):
+    if fmt == "bf16":
+      wire_N = payload[0]
+      # float32 bits are bfloat16's followed by 16 zeros: a shift, not XLA's slower convert.
+      high = lax.bitcast_convert_type(wire_N, jnp.uint16).astype(jnp.uint32) << np.uint32(16)
+      x_KxB = xla_codec.blocks(lax.bitcast_convert_type(high, jnp.float32), _SUM_BLOCK)
+      bits = lax.bitcast_convert_type(x_KxB, jnp.int32) & np.int32(0x7FFFFFFF)
+      subnormal = jnp.where(bits < np.int32(1 << 23), bits, 0)  # its bits, else 0
+      largest, dec_sq = xla_codec.block_max_and_sumsq(subnormal, x_KxB)
+      return (wire_N.reshape(shape),), dec_sq, jnp.max(largest) == 0
+    packed, scale_K = payload
+    k = scale_K.shape[0]
+    q_N = xla_codec.unpack(packed, fmt, n)
+    q_KxB = jnp.pad(q_N, (0, k * block_size - n)).reshape(k, block_size)
+    dec_sq = _decoded_sumsq_fn()(q_KxB, scale_K)
+    # A block whose scale is below 2^-100 goes through numpy: its q s may be subnormal.
+    return (q_KxB, scale_K), dec_sq, xla_codec.clear_of_subnormals(scale_K)
+
+  return unwire
 
 
 def _bf16_sums(x_KxB):
@@ -189,9 +234,12 @@ class FusedMerge:
 
   def __init__(self, *, sharding: jax.sharding.Sharding, tx: optax.GradientTransformation,
                rule: str, weighting: str, outer_grad: str, broadcast_delta: str,
-               block_size: int, num_slots: int, scaled: bool):
+               block_size: int, num_slots: int, scaled: bool, threads: int = 2):
     """`num_slots`: learner slots of a merge (`config.num_learners`); `scaled`: whether offers
-    carry a staleness scale (`config.outer.staleness_scaling` other than "none")."""
+    carry a staleness scale (`config.outer.staleness_scaling` other than "none"); `threads`: the
+    worker threads that run the programs (at most the host's cores; 1 runs them in the caller)."""
+    if threads < 1:
+      raise ValueError(f"threads={threads} must be at least 1")
     self._sharding = sharding
     self._tx = tx
     self._rule, self._weighting = rule, weighting
@@ -204,6 +252,19 @@ class FusedMerge:
     self._lock = threading.RLock()
     self._programs: dict[tuple[Any, ...], Any] = {}
     self._zero_wires: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    self.threads = min(threads, os.cpu_count() or 1)
+    self._pool = (concurrent.futures.ThreadPoolExecutor(self.threads,
+                                                        thread_name_prefix="fused-merge")
+                  if self.threads > 1 else None)
+
+  def _map(self, fn, items, size):
+    """[fn(item) for item in items], run on the worker threads largest `size(item)` first (a
+    longest-first queue balances them), the results in the order of `items`."""
+    if self._pool is None or len(items) < 2:
+      return [fn(item) for item in items]
+    order = sorted(range(len(items)), key=lambda i: -size(items[i]))
+    futures = {i: self._pool.submit(fn, items[i]) for i in order}
+    return [futures[i].result() for i in range(len(items))]
 
   # ---- programs ----------------------------------------------------------------------------------
 
@@ -242,6 +303,10 @@ class FusedMerge:
 
   def _zero_wire(self, shape, fmt: str):
     key = (shape, fmt)
+    with self._lock:
+      return self._zero_wire_locked(key, shape, fmt)
+
+  def _zero_wire_locked(self, key, shape, fmt: str):
     if key not in self._zero_wires:
       if fmt in xla_codec.QMAX:
         k = xla_codec.num_blocks(math.prod(shape), self._block_size)
@@ -269,7 +334,16 @@ class FusedMerge:
     return combine, outer_step
 
   def _broadcast_programs(self, shape):
-    """(encode, finish): the delta's wire (a `prepare` program), then its payload and R."""
+    """(encode, finish): the delta's wire (a `prepare` program), then its payload and R. Kept
+    per shape: finding them anew traces `_prepare_fn` (`jax.eval_shape`), a few milliseconds a
+    tensor, which was most of the delta broadcast's time."""
+    key = ("broadcast", shape)
+    with self._lock:
+      if key not in self._programs:
+        self._programs[key] = self._new_broadcast_programs(shape)
+      return self._programs[key]
+
+  def _new_broadcast_programs(self, shape):
     fmt = self._delta_fmt
     encode = self._prepare_program(shape, fmt)
     example = jax.ShapeDtypeStruct(shape, np.float32)
@@ -296,27 +370,37 @@ class FusedMerge:
 
   def prepare(self, names: Sequence[str], offers: Sequence[messages.Offer]
               ) -> list[PreparedOffer]:
-    """Every offer's wire round trip and norms; dispatched all at once, then read back."""
+    """Every offer's wire round trip and norms, each (offer, tensor) on the worker threads."""
     started = time.perf_counter()
-    pending = [[self._dispatch_prepare(offer, name) for name in names] for offer in offers]
+    tasks = [(offer, name) for offer in offers for name in names]
+    done = iter(self._map(lambda task: self._prepare_one(*task), tasks,
+                          lambda task: _tensor_size(*task)))
     prepared = []
-    for offer, parts in zip(offers, pending):
+    for offer in offers:
       wires, formats, norms, raw = {}, {}, {}, 0.0
-      for name, (fmt, wire, raw_sq, dec_sq, exact) in zip(names, parts):
-        if not bool(exact):
-          fmt, wire, raw_sq, dec_sq = self._numpy_wire(offer, name)
+      for name in names:
+        fmt, wire, raw_sq, dec_sq = next(done)
         wires[name], formats[name] = wire, fmt
-        raw += _sum_blocks(raw_sq)
-        norms[name] = math.sqrt(_sum_blocks(dec_sq))
+        raw += raw_sq
+        norms[name] = math.sqrt(dec_sq)
       prepared.append(PreparedOffer(wires, formats, raw, norms, 0.0))
     seconds = (time.perf_counter() - started) / max(len(offers), 1)
     return [dataclasses.replace(p, seconds=seconds) for p in prepared]
+
+  def _prepare_one(self, offer: messages.Offer, name: str):
+    """(format, wire, Σ raw², Σ decoded²) of one tensor of one offer, its programs run to the end."""
+    fmt, wire, raw_sq, dec_sq, exact = self._dispatch_prepare(offer, name)
+    if not bool(exact):
+      fmt, wire, raw_sq, dec_sq = (("fp32",) + self._carried_wire(offer, name)
+                                   if offer.encoded is not None else self._numpy_wire(offer, name))
+    jax.block_until_ready(wire)
+    return fmt, wire, _sum_blocks(raw_sq), _sum_blocks(dec_sq)
 
   def _dispatch_prepare(self, offer: messages.Offer, name: str):
     if self._fmt is None:
       return ("fp32",) + self._numpy_wire(offer, name)[1:] + (True,)
     if offer.encoded is not None:
-      return ("fp32",) + self._carried_wire(offer, name) + (True,)
+      return self._dispatch_carried(offer.encoded[name])
     anchor = offer.anchor[name]
     values = np.asarray(offer.values[name], np.float32)  # no copy for a float32 host array
     program = self._prepare_program(values.shape, self._fmt)
@@ -326,13 +410,31 @@ class FusedMerge:
       dec_sq = self._decoded_sumsq_program(values.shape)(*wire)
     return (self._fmt, wire, raw_sq, dec_sq, exact)
 
-  def _carried_wire(self, offer: messages.Offer, name: str):
-    """An offer that crossed a network carries Delta_m encoded already (`Offer.for_the_wire`):
-    its decoded values travel on as fp32, rounded once, where the learner encoded them. Its raw
-    norm is the decoded one: the syncer never saw another."""
-    decoded = offer.outer_gradient(name)
+  def _dispatch_carried(self, enc: compression_lib.Encoded):
+    """A carried tensor's payload through `_unwire_fn` (formats with a jnp decoder, the
+    merge's block size); else numpy's decoder (`_carried_wire`)."""
+    fmt, shape = enc.fmt, tuple(enc.shape)
+    if (fmt not in ("bf16",) + tuple(xla_codec.QMAX) or enc.block_size != self._block_size
+        or not shape):
+      return ("fp32",) + self._carried_wire_of(enc) + (True,)
+    payload = tuple(np.asarray(a) for a in enc.payload)
+    program = self._compiled(("unwire", shape, fmt),
+                             lambda: _unwire_fn(fmt, shape, self._block_size),
+                             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in payload))
+    wire, dec_sq, exact = program(*payload)
+    return (fmt, wire, dec_sq, dec_sq, exact)
+
+  def _carried_wire_of(self, enc: compression_lib.Encoded):
+    """(wire, Σ raw², Σ decoded²) of a carried tensor through numpy's decoder, as fp32."""
+    decoded = compression_lib.decode(enc)
     squares = np.square(decoded, dtype=np.float64).reshape(-1)
     return (decoded,), squares, squares
+
+  def _carried_wire(self, offer: messages.Offer, name: str):
+    """An offer that crossed a network carries Delta_m encoded already (`Offer.for_the_wire`):
+    numpy's decoder, its values travelling on as fp32, where `_unwire_fn` cannot take it. Its
+    raw norm is the decoded one: the syncer never saw another."""
+    return self._carried_wire_of(offer.encoded[name])
 
   def _numpy_wire(self, offer: messages.Offer, name: str):
     """The numpy encoder's round trip of one tensor, travelling on as fp32 (int1, subnormals)."""
@@ -349,8 +451,10 @@ class FusedMerge:
            prepared: Mapping[int, PreparedOffer], tokens_M: np.ndarray, steps_M: np.ndarray,
            scale_M: np.ndarray | None, embedding_names: Sequence[str]):
     """(new Theta_p, new outer states, weights per slot) from the prepared offers by slot."""
-    new_theta, new_opt, weights = {}, {}, None
-    for name, theta in theta_p.items():
+    scales = scale_M if scale_M is not None else np.ones(self._num_slots, np.float32)
+
+    def one(name):
+      theta = theta_p[name]
       formats = {p.formats[name] for p in prepared.values()}
       fmt = formats.pop() if len(formats) == 1 else "fp32"
       wires, norms = [], np.zeros(self._num_slots, np.float32)
@@ -364,11 +468,15 @@ class FusedMerge:
         norms[slot] = offer.norms[name]
       combine, outer_step = self._step_programs(theta, opt_p[name], fmt,
                                                 name in embedding_names)
-      scales = scale_M if scale_M is not None else np.ones(self._num_slots, np.float32)
       direction, radius, weights = combine(tuple(wires), tokens_M, steps_M, norms, scales)
-      new_theta[name], new_opt[name] = outer_step(theta, opt_p[name], direction, radius)
-    new_theta = {n: np.asarray(v) for n, v in new_theta.items()}  # waits for the programs
-    return new_theta, new_opt, np.asarray(weights)
+      new_theta, new_opt = outer_step(theta, opt_p[name], direction, radius)
+      return np.asarray(new_theta), jax.block_until_ready(new_opt), weights
+
+    names = list(theta_p)
+    done = self._map(one, names, lambda name: theta_p[name].size)
+    new_theta = {name: d[0] for name, d in zip(names, done)}
+    new_opt = {name: d[1] for name, d in zip(names, done)}
+    return new_theta, new_opt, np.asarray(done[-1][2] if done else None)
 
   def _as_fp32(self, offer: PreparedOffer, name: str, shape):
     """A prepared wire decoded to fp32: merges a tensor whose offers were encoded differently."""
@@ -379,20 +487,21 @@ class FusedMerge:
   def broadcast(self, new_theta: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]):
     """(wire, R_p after it): encode(Theta_p_new - R_p) in the delta format, and R_p + decoded."""
     fmt = self._delta_fmt
-    dispatched = {}
-    for name, value in new_theta.items():
+
+    def one(name):
+      value = new_theta[name]
       encode, finish = self._broadcast_programs(value.shape)
       delta_wire, _, _, exact = encode(base[name], value, *self._divisors(fmt, value.shape))
-      dispatched[name] = finish(delta_wire, base[name], _ZERO) + (exact,)
-    wire, received = {}, {}
-    for name, (arrays, value, exact) in dispatched.items():
+      arrays, received = finish(delta_wire, base[name], _ZERO)
       if bool(exact):
-        wire[name] = xla_codec.encoded(arrays, fmt, new_theta[name].shape, self._block_size)
-        received[name] = np.asarray(value)
-      else:
-        wire[name] = compression_lib.encode(new_theta[name] - base[name], fmt, self._block_size)
-        received[name] = base[name] + compression_lib.decode(wire[name])
-    return wire, received
+        return (xla_codec.encoded(arrays, fmt, value.shape, self._block_size),
+                np.asarray(received))
+      wire = compression_lib.encode(value - base[name], fmt, self._block_size)
+      return wire, base[name] + compression_lib.decode(wire)
+
+    names = list(new_theta)
+    done = self._map(one, names, lambda name: new_theta[name].size)
+    return ({n: d[0] for n, d in zip(names, done)}, {n: d[1] for n, d in zip(names, done)})
 
   @property
   def delta_in_programs(self) -> bool:

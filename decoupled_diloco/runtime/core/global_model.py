@@ -146,12 +146,13 @@ class GlobalModel:
                compression: settings_lib.CompressionSettings, num_learners: int,
                inner_learning_rates: Sequence[float] | np.ndarray | None = None,
                staleness_scaling: str = "none", fused: bool = True,
-               owned: Sequence[int] | None = None):
+               owned: Sequence[int] | None = None, merge_threads: int = 2):
     """`owned`: the fragments this model holds (a shard's, `algorithm/shards.py`); None: all of
     them. `inner_learning_rates[t]`: the learners' inner rate of update t (the robust merge judges
     norms per unit of it); None judges them per step. `staleness_scaling`:
     `config.outer.staleness_scaling` (`merge.STALENESS_SCALINGS`). `fused=False` keeps the
-    per-tensor programs over numpy-encoded outer gradients (see the module docstring)."""
+    per-tensor programs over numpy-encoded outer gradients (see the module docstring).
+    `merge_threads`: the fused merge's worker threads (`fused_merge.FusedMerge`)."""
     self.fragments = tuple(fragments)
     self.owned = tuple(range(len(self.fragments))) if owned is None else tuple(sorted(owned))
     self.mesh = mesh
@@ -193,7 +194,7 @@ class GlobalModel:
           sharding=self._replicated, tx=outer_tx, rule=merge.rule, weighting=merge.weighting,
           outer_grad=compression.outer_grad, broadcast_delta=compression.broadcast_delta,
           block_size=compression.block_size, num_slots=self._padded_learners,
-          scaled=staleness_scaling != "none")
+          scaled=staleness_scaling != "none", threads=merge_threads)
 
   # ---- set-up ------------------------------------------------------------------------------------
 
