@@ -64,7 +64,7 @@ ADDED_FIELDS = {"outer.nesterov_delay": "0", "outer.staleness_scaling": "'none'"
                 "ray.learner_resource": "''", "ray.syncer_resource": "''", "ray.tpu_slice": "''",
                 "model.splash_block_q": "0", "model.splash_block_kv": "0",
                 "syncer.merge_delay_steps": "0",
-                "syncer.num_shards": "1"}
+                "syncer.num_shards": "1", "syncer.merge_threads": "2"}
 
 # Metadata of a settings field that `validate` computes rather than reads: not a config field.
 _DERIVED = {"derived": True}
@@ -155,6 +155,8 @@ class SyncerSettings:
   # Shards of the syncer, each owning some fragments (algorithm/shards.py); 1 = not sharded, and
   # in dp mode and a replay (which merges on one global model in the recorded order).
   num_shards: int = 1
+  # Threads of one merge (runtime/core/fused_merge.py): its offers and tensors run on them.
+  merge_threads: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -978,7 +980,8 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
   syncer = SyncerSettings(num_devices=_check_int(config, "syncer.num_devices", 1),
                           num_workers=_check_int(config, "syncer.num_workers", 1),
                           merge_delay_steps=_merge_delay_steps(config, mode),
-                          num_shards=_check_int(config, "syncer.num_shards", 1))
+                          num_shards=_check_int(config, "syncer.num_shards", 1),
+                          merge_threads=_check_int(config, "syncer.merge_threads", 1))
 
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners, num_steps)

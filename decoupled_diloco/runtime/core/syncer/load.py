@@ -129,7 +129,8 @@ def time_merge(settings: settings_lib.RunSettings, fragment: fragments_lib.Fragm
       outer_tx=outer.make_outer_optimizer(settings.outer.name, settings.outer.learning_rate,
                                           settings.outer.momentum, settings.outer.nesterov_delay),
       staleness_scaling=settings.outer.staleness_scaling,
-      merge=settings.merge, compression=settings.compression, num_learners=learners)
+      merge=settings.merge, compression=settings.compression, num_learners=learners,
+      merge_threads=settings.syncer.merge_threads)
   model.compile()
   worker, worker_cpu, install = [], [], []
   result = None

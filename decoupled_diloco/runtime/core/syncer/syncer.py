@@ -137,6 +137,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       merge_delay_steps: int = 0,
       owned: Sequence[int] | None = None,
       shard: int | None = None,
+      merge_threads: int = 2,
   ):
     """`owned`: the fragments this syncer merges (a shard's); None: all. `shard`: its number
     among the shards (None: the syncer is not sharded), named in its records."""
@@ -154,7 +155,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
         fragments=fragments, initial_params=initial_params, mesh=mesh, outer_tx=outer_tx,
         merge=merge, compression=compression, num_learners=num_learners,
         inner_learning_rates=inner_learning_rates, staleness_scaling=staleness_scaling,
-        owned=owned)
+        owned=owned, merge_threads=merge_threads)
     self.shard = shard
     self._owns = frozenset(self.model.owned)  # due fragments this syncer opens rounds of
     self._lock = threading.Lock()  # guards _live against the controller's reads
