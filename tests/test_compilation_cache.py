@@ -52,6 +52,8 @@ def test_none_leaves_the_process_cache_alone(session_cache):
   assert jax.config.jax_compilation_cache_dir == session_cache
 
 
+# Slow, so that the default suite stays under 10 min (9 s; a performance property, not a result).
+@pytest.mark.slow
 def test_a_run_built_again_in_the_same_process_reuses_its_compiled_steps(tmp_path):
   """assembly.learner_parts keeps the jitted steps it made: the same model, optimizer and meshes
   take the same compiled program and compile nothing, whatever their number of steps and

@@ -153,6 +153,8 @@ def test_a_4_learner_checkpoint_resumes_as_8_learners(stopped, tmp_path, uninter
   _assert_within_noise(summary, uninterrupted)
 
 
+# Slow, so that the default suite stays under 10 min (10 s; resumes on other learner counts stay).
+@pytest.mark.slow
 def test_a_checkpoint_resumes_on_another_mesh_shape(stopped, tmp_path, uninterrupted):
   _, written = stopped
   run = _resume(stopped, tmp_path, learner_mesh_shapes=((1, 2),))

@@ -154,6 +154,9 @@ def test_a_donated_step_aliases_the_state_instead_of_holding_two():
   assert donated.alias_size_in_bytes == pytest.approx(state_bytes, rel=0.01)
 
 
+# Slow, so that the default suite stays under 10 min (8 s; donation's pulls stay under
+# test_runtime's busy-syncer test).
+@pytest.mark.slow
 def test_pulls_and_checkpoint_state_survive_the_donating_fsdp_learner(tmp_path):
   """A learner on a (1, 2, 1) mesh donates its state every step; what it published stays readable
   two steps later, and its optimizer state comes when asked for."""

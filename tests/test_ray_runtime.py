@@ -223,6 +223,9 @@ def test_a_syncer_shard_killed_by_hand_is_restored_while_the_other_shard_merges_
   token_account_closes(summary)
 
 
+# Slow, so that the default suite stays under 10 min (16 s; the threads runtime's give-up test
+# stays, in test_self_healing.py).
+@pytest.mark.slow
 def test_a_learner_process_given_up_after_max_restarts_leaves_the_run_to_finish_without_it(
     tmp_path):
   """config.max_restarts=0 and learner 1's process killed (config.chaos) at step 3: the run goes
@@ -245,6 +248,9 @@ _IDENTITY = dict(outer__name="sgd", outer__learning_rate=1.0, outer__momentum=0.
                  sync__overlap=1)
 
 
+# Slow, so that the default suite stays under 10 min (14 s; the processes' agreement stays in
+# test_learner_group.py, and the identity step against dp under threads).
+@pytest.mark.slow
 def test_a_learner_over_two_processes_with_the_identity_outer_step_tracks_dp(tmp_path):
   """One learner whose model axis spans two processes (mesh (1, 2), one device each): every pull
   is put together from both processes' halves, every broadcast is applied by both at the same

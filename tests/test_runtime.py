@@ -451,6 +451,8 @@ def test_a_run_shorter_than_log_every_still_prints_its_last_step_line(tmp_path, 
   assert len(lines) == 1 and lines[0].startswith("step 4/4 | loss "), lines
 
 
+# Slow, so that the default suite stays under 10 min (7 s).
+@pytest.mark.slow
 def test_progress_lines_and_evaluations_go_on_while_a_straggler_trains_after_the_fastest_finish(
     tmp_path, caplog):
   """Once the fastest learners are done, the run is not silent until the straggler ends: progress

@@ -41,6 +41,9 @@ def test_steps_that_overlap_an_evaluation_are_left_out():
   assert throughput.steps_outside([1.0, 2.0], [1.0, 1.0], [(1.0, 1.0)]) == (2, 2.0)
 
 
+# Slow, so that the default suite stays under 10 min (8 s; the throughput arithmetic stays in
+# the tests above).
+@pytest.mark.slow
 def test_a_run_reports_throughput_and_traces_the_profiled_steps(tmp_path, caplog):
   settings = tiny_settings(tmp_path, profile_steps=(2, 3))
   with caplog.at_level(logging.INFO, logger="absl"):
