@@ -19,6 +19,7 @@ import pytest
 from conftest import tiny_settings
 from decoupled_diloco import settings
 from decoupled_diloco.runtime import train
+from decoupled_diloco.runtime.core import learner as learner_lib
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -182,7 +183,6 @@ def test_measured_bytes_per_step_match_the_bandwidth_model(tmp_path):
 def test_learner_restarted_from_its_snapshot_matches_an_uninterrupted_one(tmp_path):
   """Stop a learner mid-run, restart a new one from its snapshot (train state, data position,
   counters): it ends exactly where an uninterrupted learner ends."""
-  from decoupled_diloco.runtime.core import learner as learner_lib  # pylint: disable=g-import-not-at-top
 
   reference = train.build(tiny_settings(tmp_path / "reference", mode="dp"))
   train.execute(reference, progress=False)
@@ -297,6 +297,10 @@ def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_lef
   assert summary["unmerged_steps_at_end"] == [0] * 4
   assert summary["double_merged_offers"] == 0
   assert summary["final_merges"] >= 1
+  _every_learner_holds_theta(run)
+
+
+def _every_learner_holds_theta(run):
   theta = run.syncer.global_params()
   for learner in run.learners:
     params = jax.device_get(learner.flat_params())
@@ -312,7 +316,6 @@ def test_the_flush_returns_once_every_learner_applied_its_broadcasts_however_lat
   had been down). Here every broadcast to a learner that finished training arrives 0.4 s late; the
   flush still returns only once each learner holds the final Theta, so no learner ends with
   merged steps still in its counters (the token account counted them twice) or without Theta."""
-  from decoupled_diloco.runtime.core import learner as learner_lib  # pylint: disable=g-import-not-at-top
   deliver = learner_lib.Learner.deliver
 
   def late(self, broadcast):
@@ -328,12 +331,7 @@ def test_the_flush_returns_once_every_learner_applied_its_broadcasts_however_lat
   tokens = summary["fragment_token_accounting"]
   assert tokens["unmerged_at_end"] == 0, tokens
   assert tokens["made"] == tokens["merged"] + tokens["discarded"], tokens
-  theta = run.syncer.global_params()
-  for learner in run.learners:
-    params = jax.device_get(learner.flat_params())
-    for name, value in theta.items():
-      np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-6,
-                                 err_msg=f"learner {learner.index} {name}")
+  _every_learner_holds_theta(run)
 
 
 def _sleeps(learner, noise_s, steps, delay_s=0.0):
