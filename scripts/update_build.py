@@ -19,7 +19,7 @@ THIRD_PARTY = {
     "numpy": "numpy", "tensorboardX": "tensorboardx", "matplotlib": "matplotlib",
     "pytest": "pytest", "ml_dtypes": "ml-dtypes", "sentencepiece": "sentencepiece",
     "tokenizers": "tokenizers", "array_record": "array-record", "pyarrow": "pyarrow",
-    "scipy": "scipy",
+    "scipy": "scipy", "numba": "numba",
 }
 
 

@@ -14,9 +14,9 @@ gradient by `merge.staleness_scale` of its staleness: the versions of Theta_p in
 one the offer is anchored at (`Offer.anchor_version` against the version the merge steps from).
 
 On a syncer of one device with `anchor="learner"` (the default) the screen and the merge run as
-`fused_merge.FusedMerge`'s programs: each offer's wire round trip and norms once, in the screen,
-then the weights, RDA and outer step in one program per tensor, and the delta broadcast's encoding
-too. Otherwise (a syncer mesh of several devices, `anchor="syncer"`, or `fused=False`, the
+`fused_merge.FusedMerge`'s loops: each offer's wire and norms in one pass, in the screen, then the
+weights and RDA's direction in one pass over the wires and the optax outer step in one program per
+tensor, and the delta broadcast's encoding in one pass. Otherwise (a syncer mesh of several devices, `anchor="syncer"`, or `fused=False`, the
 reference the fused merge is tested against) each tensor's merge is one jitted program over the
 syncer mesh: the learners' outer gradients, encoded and decoded by numpy, are stacked on a leading
 axis sharded over the syncer devices, and the sums that RDA and the weighted average need become
@@ -43,7 +43,9 @@ optimizer's scalar leaves, plus, with the delta broadcast only, 4 per parameter 
 anchor="syncer" only, the kept versions, plus `robust.WINDOW` norms per fragment.
 Nothing grows with the number of steps. A fused merge in progress adds every screened offer's wire
 (int codes 1 byte per parameter plus a scale per block, bf16 2, fp32 4) until its merge is done,
-and the next Theta_p and momentum; the reference merge adds one tensor's stacked outer gradients
+and the next Theta_p and momentum; the wires' and the directions' arrays are kept for the next
+merge (`fused_merge._Scratch`: no page faults on fresh arrays), so the syncer holds at most what
+its largest merge needed at once; the reference merge adds one tensor's stacked outer gradients
 (learners x tensor size, fp32), and its screen one tensor's outer gradient at a time.
 """
 
@@ -407,6 +409,7 @@ class GlobalModel:
     new_theta, new_opt, weights = self._fused.step(
         self._theta[p], self._opt_states[p], {o.learner: part for o, part in zip(offers, prepared)},
         tokens, steps, scale_M, fragment.embedding_names)
+    self._fused.release(prepared)
     merge_s = time.monotonic() - started
     bytes_up = len(offers) * sum(
         compression_lib.encoded_nbytes(v.size, self._compression.outer_grad,
