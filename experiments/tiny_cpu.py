@@ -165,7 +165,7 @@ def get_config() -> ml_collections.ConfigDict:
   # box; on a GPU / TPU host with many cores, more keep large merges up with fast learner steps.
   config.syncer.num_workers = 1
   # Threads of one merge: its offers' screens and its tensors run as tasks on them, largest first
-  # (XLA releases the GIL); the values are bit for bit those of one thread. On a many-core syncer
+  # (numba's loops and XLA release the GIL); the values are bit for bit those of one thread. On a many-core syncer
   # host more shorten the largest fragment's merge (the tied embedding's), which more workers
   # cannot. Each worker's merge uses this many, so num_workers x merge_threads threads in all.
   config.syncer.merge_threads = 2

@@ -31,6 +31,9 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 _SIGN_OFF = np.int32(0x7FFFFFFF)
 
@@ -45,6 +48,23 @@ _strict = numba.njit(nogil=True, boundscheck=False, cache=True, error_model="num
 
 def num_blocks(size: int, block_size: int) -> int:
   return math.ceil(size / block_size)
+
+
+@intrinsic
+def _as_f32(typingctx, bits):  # pylint: disable=unused-argument
+  """The float32 whose bit pattern is `bits` (a uint32), in a register: numba has no scalar
+  bitcast, and a round trip through an array view costs a store and a load per value."""
+  def codegen(context, builder, signature, args):  # pylint: disable=unused-argument
+    return builder.bitcast(args[0], ir.FloatType())
+  return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _as_u32(typingctx, value):  # pylint: disable=unused-argument
+  """The bit pattern of a float32, as a uint32 (`_as_f32`'s inverse)."""
+  def codegen(context, builder, signature, args):  # pylint: disable=unused-argument
+    return builder.bitcast(args[0], ir.IntType(32))
+  return types.uint32(types.float32), codegen
 
 
 @_jit
@@ -86,7 +106,8 @@ def _row_stats(x2, bits2, r):
 @_strict
 def _codes_f32(d2, r, scale, qmax, q2, y2, o2, add_back):
   """The codes of block r into q2[r] and Σ q², or -1 if one of its quotients lies within 1e-5 of
-  a half; with `add_back`, o2[r] = y2[r] + q s as well (the delta broadcast's R_p). The float32 quotient is within 2^-24 · 127.5 < 1e-5 of the exact one, so elsewhere both
+  a half; with `add_back`, o2[r] = y2[r] + q s as well (the delta broadcast's R_p). The float32
+  quotient is within 2^-24 · 127.5 < 1e-5 of the exact one, so elsewhere both
   lie between the same half and integer and round alike; and numpy's float64 quotient rounds as
   the exact one does (it never lands on a half it is not at: d / s is a ratio of 24-bit integers,
   at least 2^-32 from any half it misses)."""
@@ -123,22 +144,20 @@ def _codes_f64(d2, r, scale, qmax, q2, y2, o2, add_back):
 
 
 @_strict
-def _int_rows(d2, bits2, rows, qmax, q2, scale_K, k0, one, y2, o2):
+def _int_rows(d2, bits2, rows, qmax, q2, scale_K, k0, y2, o2):
   """Scales and codes of `rows` blocks of values `d2` (`bits2`: the same buffer as int32), the
   codes into `q2`, the scales into scale_K[k0:]; returns (Σ d², Σ q² s²) over them. The first
   len(o2) rows also get o2 = y2 + q s.
 
   The scale is float32(float64(max|d|) / q_max) and a code round-half-even(float64(d) / s)
   clipped to [-q_max, q_max], as `compression._quantize` computes them (`_codes_f32`, else
-  `_codes_f64`). `one`: a float32 array of one element, to read a bit pattern as a float.
-  `qmax` is an integer: numba compiled these loops ten times slower with a float one."""
+  `_codes_f64`). `qmax` is an integer: numba compiled these loops ten times slower with a float one."""
   raw = 0.0
   dec = 0.0
   for r in range(rows):
     sumsq, largest = _row_stats(d2, bits2, r)
     raw += sumsq
-    one.view(np.int32)[0] = largest
-    scale = np.float32(np.float64(one[0]) / qmax)
+    scale = np.float32(np.float64(_as_f32(np.uint32(largest))) / qmax)
     scale_K[k0 + r] = scale
     add_back = r < o2.shape[0]
     codes = _codes_f32(d2, r, scale, qmax, q2, y2, o2, add_back)
@@ -161,7 +180,6 @@ def _int_wire(first, second, qmax, q_N, scale_K, received_out, sums):
   full = n // b
   d2 = np.zeros((_ROWS, b), np.float32)
   bits2 = d2.view(np.int32)
-  one = np.zeros(1, np.float32)
   add_back = received_out.size > 0
   x2, y2 = first[:full * b].reshape(full, b), second[:full * b].reshape(full, b)
   q2 = q_N.reshape(kk, b)
@@ -179,7 +197,7 @@ def _int_wire(first, second, qmax, q_N, scale_K, received_out, sums):
       for i in range(b):
         d2[whole, i] = (first[lo + i] - second[lo + i]) if lo + i < n else np.float32(0)
     back = k0 + whole if add_back else k0
-    r_sum, d_sum = _int_rows(d2, bits2, rows, qmax, q2[k0:k0 + rows], scale_K, k0, one,
+    r_sum, d_sum = _int_rows(d2, bits2, rows, qmax, q2[k0:k0 + rows], scale_K, k0,
                              y2[k0:back], o2[k0:back])
     raw += r_sum
     dec += d_sum
@@ -204,23 +222,22 @@ def prepare_int(values, anchor, qmax, q_N, scale_K, sums):
 def prepare_bf16(values, anchor, out_N, sums):
   """bfloat16 bits of Delta into `out_N` (uint16), sums[0] = Σ Delta², sums[1] = Σ bf16(Delta)²."""
   n = values.size
-  buf = np.zeros(64, np.float32)
-  bits = buf.view(np.uint32)
   raw = 0.0
   dec = 0.0
   for lo in range(0, n, 64):
     m = min(64, n - lo)
     a_, v_, o_ = anchor[lo:lo + m], values[lo:lo + m], out_N[lo:lo + m]
-    d_ = buf[:m]
-    u_ = bits[:m]
+    s_raw = np.float32(0)
+    s_dec = np.float32(0)
     for i in range(m):
-      d_[i] = a_[i] - v_[i]
-    raw += _sumsq(d_)
-    for i in range(m):
-      h = _to_bf16(u_[i])
+      d = a_[i] - v_[i]
+      h = _to_bf16(_as_u32(d))
       o_[i] = np.uint16(h)
-      u_[i] = h << np.uint32(16)
-    dec += _sumsq(d_)
+      x = _as_f32(h << np.uint32(16))
+      s_raw += d * d
+      s_dec += x * x
+    raw += s_raw
+    dec += s_dec
   sums[0] = raw
   sums[1] = dec
 
@@ -294,15 +311,14 @@ def int_sumsq(q_N, n, scale_K, block_size):
 def bf16_sumsq(u_N):
   """Σ value² of bfloat16 bits, as `prepare_bf16` sums it."""
   n = u_N.size
-  buf = np.zeros(64, np.float32)
-  bits = buf.view(np.uint32)
   dec = 0.0
   for lo in range(0, n, 64):
-    m = min(64, n - lo)
-    u_, b_ = u_N[lo:lo + m], bits[:m]
-    for i in range(m):
-      b_[i] = np.uint32(u_[i]) << np.uint32(16)
-    dec += _sumsq(buf[:m])
+    u_ = u_N[lo:min(lo + 64, n)]
+    s = np.float32(0)
+    for i in range(u_.size):
+      x = _as_f32(np.uint32(u_[i]) << np.uint32(16))
+      s += x * x
+    dec += s
   return dec
 
 
@@ -364,12 +380,10 @@ def combine_int(qs, scales, c_M, block_size, out_N):
 def combine_bf16(us, c_M, out_N):
   """`combine_int` over bf16 wires (their bits)."""
   n = out_N.size
-  buf = np.zeros(_CHUNK, np.float32)
-  bits = buf.view(np.uint32)
   total = 0.0
   for lo in range(0, n, _CHUNK):
     m = min(_CHUNK, n - lo)
-    o_, x_, b_ = out_N[lo:lo + m], buf[:m], bits[:m]
+    o_ = out_N[lo:lo + m]
     for i in range(m):
       o_[i] = np.float32(0)
     for j in range(len(us)):
@@ -378,9 +392,7 @@ def combine_bf16(us, c_M, out_N):
         continue
       u = us[j][lo:lo + m]
       for i in range(m):
-        b_[i] = np.uint32(u[i]) << np.uint32(16)
-      for i in range(m):
-        o_[i] = o_[i] + c * x_[i]
+        o_[i] = o_[i] + c * _as_f32(np.uint32(u[i]) << np.uint32(16))
     total += _sumsq(o_)
   return total
 
@@ -420,21 +432,14 @@ def broadcast_int(theta, received, qmax, q_N, scale_K, received_out):
 def broadcast_bf16(theta, received, out_N, received_out):
   """bf16 bits of Theta_new - R into `out_N`, and R + their value into `received_out`."""
   n = theta.size
-  buf = np.zeros(64, np.float32)
-  bits = buf.view(np.uint32)
   for lo in range(0, n, 64):
     m = min(64, n - lo)
     t_, r_ = theta[lo:lo + m], received[lo:lo + m]
     o_, ro_ = out_N[lo:lo + m], received_out[lo:lo + m]
-    d_, u_ = buf[:m], bits[:m]
     for i in range(m):
-      d_[i] = t_[i] - r_[i]
-    for i in range(m):
-      h = _to_bf16(u_[i])
+      h = _to_bf16(_as_u32(t_[i] - r_[i]))
       o_[i] = np.uint16(h)
-      u_[i] = h << np.uint32(16)
-    for i in range(m):
-      ro_[i] = r_[i] + d_[i]
+      ro_[i] = r_[i] + _as_f32(h << np.uint32(16))
 
 
 @_jit
