@@ -104,67 +104,76 @@ def _row_stats(x2, bits2, r):
 
 
 @_strict
-def _codes_f32(d2, r, scale, qmax, q2, y2, o2, add_back):
-  """The codes of block r into q2[r] and Σ q², or -1 if one of its quotients lies within 1e-5 of
-  a half; with `add_back`, o2[r] = y2[r] + q s as well (the delta broadcast's R_p). The float32
-  quotient is within 2^-24 · 127.5 < 1e-5 of the exact one, so elsewhere both
-  lie between the same half and integer and round alike; and numpy's float64 quotient rounds as
-  the exact one does (it never lands on a half it is not at: d / s is a ratio of 24-bit integers,
-  at least 2^-32 from any half it misses)."""
-  safe = scale if scale > 0 else np.float32(1.0)
+def _codes_f32(d2, rows, scale_R, qmax, q2, y2, o2, codes_R):
+  """The codes of blocks d2[:rows] into q2 and Σ q² per block into codes_R, with o2 = y2 + q s
+  for the first len(o2) blocks (the delta broadcast's R_p); returns how many quotients lie within
+  1e-5 of a half (then `_codes_f64` does these blocks again). The float32 quotient is within
+  2^-24 · 127.5 < 1e-5 of the exact one, so elsewhere both lie between the same half and integer
+  and round alike; and numpy's float64 quotient rounds as the exact one does (it never lands on a
+  half it is not at: d / s is a ratio of 24-bit integers, at least 2^-32 from any half it
+  misses)."""
   top = np.float32(qmax)
   near = 0
-  codes = 0
-  for i in range(q2.shape[1]):
-    y = d2[r, i] / safe
-    q = np.rint(y)
-    near += abs(y - q) > np.float32(0.49999)
-    clipped = min(max(q, -top), top)
-    c = np.int32(clipped)
-    codes += c * c
-    q2[r, i] = np.int8(c)
-    if add_back:
-      o2[r, i] = y2[r, i] + clipped * scale
-  return -1 if near else codes
+  for r in range(rows):
+    scale = scale_R[r]
+    safe = scale if scale > 0 else np.float32(1.0)
+    add_back = r < o2.shape[0]
+    codes = 0
+    for i in range(d2.shape[1]):
+      y = d2[r, i] / safe
+      q = np.rint(y)
+      near += abs(y - q) > np.float32(0.49999)
+      clipped = min(max(q, -top), top)
+      c = np.int32(clipped)
+      codes += c * c
+      q2[r, i] = np.int8(c)
+      if add_back:
+        o2[r, i] = y2[r, i] + clipped * scale
+    codes_R[r] = codes
+  return near
 
 
 @_strict
-def _codes_f64(d2, r, scale, qmax, q2, y2, o2, add_back):
+def _codes_f64(d2, rows, scale_R, qmax, q2, y2, o2, codes_R):
   """`_codes_f32` as `compression._quantize` computes it: round-half-even(float64(d) / s)."""
-  safe = np.float64(scale) if scale > 0 else np.float64(1.0)
   top = np.float64(qmax)
-  codes = 0
-  for i in range(q2.shape[1]):
-    c = np.int32(min(max(np.rint(np.float64(d2[r, i]) / safe), -top), top))
-    codes += c * c
-    q2[r, i] = np.int8(c)
-    if add_back:
-      o2[r, i] = y2[r, i] + np.float32(c) * scale
-  return codes
+  for r in range(rows):
+    scale = scale_R[r]
+    safe = np.float64(scale) if scale > 0 else np.float64(1.0)
+    add_back = r < o2.shape[0]
+    codes = 0
+    for i in range(d2.shape[1]):
+      c = np.int32(min(max(np.rint(np.float64(d2[r, i]) / safe), -top), top))
+      codes += c * c
+      q2[r, i] = np.int8(c)
+      if add_back:
+        o2[r, i] = y2[r, i] + np.float32(c) * scale
+    codes_R[r] = codes
 
 
 @_strict
-def _int_rows(d2, bits2, rows, qmax, q2, scale_K, k0, y2, o2):
+def _int_rows(d2, bits2, rows, qmax, q2, scale_K, k0, y2, o2, codes_R):
   """Scales and codes of `rows` blocks of values `d2` (`bits2`: the same buffer as int32), the
   codes into `q2`, the scales into scale_K[k0:]; returns (Σ d², Σ q² s²) over them. The first
-  len(o2) rows also get o2 = y2 + q s.
+  len(o2) rows also get o2 = y2 + q s. `codes_R`: scratch of `_ROWS` integers.
 
   The scale is float32(float64(max|d|) / q_max) and a code round-half-even(float64(d) / s)
   clipped to [-q_max, q_max], as `compression._quantize` computes them (`_codes_f32`, else
-  `_codes_f64`). `qmax` is an integer: numba compiled these loops ten times slower with a float one."""
+  `_codes_f64`). `qmax` is an integer: numba compiled these loops ten times slower with a float
+  one."""
   raw = 0.0
-  dec = 0.0
   for r in range(rows):
     sumsq, largest = _row_stats(d2, bits2, r)
     raw += sumsq
-    scale = np.float32(np.float64(_as_f32(np.uint32(largest))) / qmax)
-    scale_K[k0 + r] = scale
-    add_back = r < o2.shape[0]
-    codes = _codes_f32(d2, r, scale, qmax, q2, y2, o2, add_back)
-    if codes < 0:  # a quotient near a half: this block in float64, as numpy divides
-      codes = _codes_f64(d2, r, scale, qmax, q2, y2, o2, add_back)
+    scale_K[k0 + r] = np.float32(np.float64(_as_f32(np.uint32(largest))) / qmax)
+  scale_R = scale_K[k0:k0 + rows]
+  if _codes_f32(d2, rows, scale_R, qmax, q2, y2, o2, codes_R):
+    # A quotient near a half: these blocks in float64, as numpy divides.
+    _codes_f64(d2, rows, scale_R, qmax, q2, y2, o2, codes_R)
+  dec = 0.0
+  for r in range(rows):
     # Σ (q s)² = s² Σ q²: the integer sum is exact.
-    dec += np.float64(np.float32(codes) * (scale * scale))
+    dec += np.float64(np.float32(codes_R[r]) * (scale_R[r] * scale_R[r]))
   return raw, dec
 
 
@@ -180,6 +189,7 @@ def _int_wire(first, second, qmax, q_N, scale_K, received_out, sums):
   full = n // b
   d2 = np.zeros((_ROWS, b), np.float32)
   bits2 = d2.view(np.int32)
+  codes_R = np.zeros(_ROWS, np.int64)
   add_back = received_out.size > 0
   x2, y2 = first[:full * b].reshape(full, b), second[:full * b].reshape(full, b)
   q2 = q_N.reshape(kk, b)
@@ -198,7 +208,7 @@ def _int_wire(first, second, qmax, q_N, scale_K, received_out, sums):
         d2[whole, i] = (first[lo + i] - second[lo + i]) if lo + i < n else np.float32(0)
     back = k0 + whole if add_back else k0
     r_sum, d_sum = _int_rows(d2, bits2, rows, qmax, q2[k0:k0 + rows], scale_K, k0,
-                             y2[k0:back], o2[k0:back])
+                             y2[k0:back], o2[k0:back], codes_R)
     raw += r_sum
     dec += d_sum
     if add_back:
