@@ -179,10 +179,8 @@ def test_combine_adds_the_learners_in_order_as_float32(fmt, shape, block_size):
   if fmt in QMAX:
     sumsq = kernels.combine_int(tuple(w[0] for w in wires), tuple(w[1] for w in wires), c_M,
                                 block_size, out)
-  elif fmt == "bf16":
-    sumsq = kernels.combine_bf16(tuple(w[0] for w in wires), c_M, out)
   else:
-    sumsq = kernels.combine_fp32(tuple(w[0] for w in wires), c_M, out)
+    sumsq = kernels.combine_values(tuple(w[0] for w in wires), c_M, out)
   np.testing.assert_array_equal(out, want)
   np.testing.assert_allclose(sumsq, np.sum(np.square(want, dtype=np.float64)), rtol=1e-6)
 

@@ -34,6 +34,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+from numba.extending import overload
 
 _SIGN_OFF = np.int32(0x7FFFFFFF)
 
@@ -386,9 +387,24 @@ def combine_int(qs, scales, c_M, block_size, out_N):
   return total
 
 
+def _value(element):
+  """An element of a bf16 or fp32 wire as float32 (numba picks the implementation by type,
+  `_value_of`; plain Python never calls this)."""
+  raise NotImplementedError(element)
+
+
+@overload(_value, jit_options={"fastmath": False})
+def _value_of(element):
+  if element == types.uint16:  # bfloat16 bits: float32's high half
+    return lambda element: _as_f32(np.uint32(element) << np.uint32(16))
+  if element == types.float32:
+    return lambda element: element
+  return None
+
+
 @_strict
-def combine_bf16(us, c_M, out_N):
-  """`combine_int` over bf16 wires (their bits)."""
+def combine_values(wires, c_M, out_N):
+  """`combine_int` over wires whose values need no scale: bf16 bits (uint16) or fp32."""
   n = out_N.size
   total = 0.0
   for lo in range(0, n, _CHUNK):
@@ -396,34 +412,13 @@ def combine_bf16(us, c_M, out_N):
     o_ = out_N[lo:lo + m]
     for i in range(m):
       o_[i] = np.float32(0)
-    for j in range(len(us)):
+    for j in range(len(wires)):
       c = c_M[j]
       if c == 0:
         continue
-      u = us[j][lo:lo + m]
+      w = wires[j][lo:lo + m]
       for i in range(m):
-        o_[i] = o_[i] + c * _as_f32(np.uint32(u[i]) << np.uint32(16))
-    total += _sumsq(o_)
-  return total
-
-
-@_strict
-def combine_fp32(xs, c_M, out_N):
-  """`combine_int` over fp32 wires."""
-  n = out_N.size
-  total = 0.0
-  for lo in range(0, n, _CHUNK):
-    m = min(_CHUNK, n - lo)
-    o_ = out_N[lo:lo + m]
-    for i in range(m):
-      o_[i] = np.float32(0)
-    for j in range(len(xs)):
-      c = c_M[j]
-      if c == 0:
-        continue
-      x = xs[j][lo:lo + m]
-      for i in range(m):
-        o_[i] = o_[i] + c * x[i]
+        o_[i] = o_[i] + c * _value(w[i])
     total += _sumsq(o_)
   return total
 

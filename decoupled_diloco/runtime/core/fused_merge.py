@@ -356,10 +356,8 @@ class FusedMerge:
     if fmt in QMAX:
       sumsq = kernels.combine_int(tuple(w[0] for w in filled), tuple(w[1] for w in filled), c_M,
                                   self._block_size, out)
-    elif fmt == "bf16":
-      sumsq = kernels.combine_bf16(tuple(w[0] for w in filled), c_M, out)
     else:
-      sumsq = kernels.combine_fp32(tuple(w[0] for w in filled), c_M, out)
+      sumsq = kernels.combine_values(tuple(w[0] for w in filled), c_M, out)
     return out, float(sumsq)
 
   def _decoded(self, wire: tuple[np.ndarray, ...], fmt: str, n: int) -> np.ndarray:
