@@ -8,6 +8,7 @@ rounding" is measured per tensor as max |fused - reference| / max |reference| <=
 """
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -123,6 +124,27 @@ def test_the_fused_merge_is_the_same_bit_for_bit_on_one_thread_and_on_two():
       np.testing.assert_array_equal(got.received[name], want.received[name])
       for a, b in zip(jax.tree.leaves(got.opt_state[name]), jax.tree.leaves(want.opt_state[name])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_closed_fused_merge_lets_its_threads_go_and_merges_on_bit_for_bit():
+  """`GlobalModel.close` (a syncer's join) ends the merge's worker threads; a merge still coming
+  (one that was running as its syncer stopped) runs on the caller's thread, the same values."""
+  closed = _model(True, "int4", "int4", merge_threads=2)
+  open_ = _model(True, "int4", "int4", merge_threads=2)
+  merges = _merge_both(closed, open_, rounds=2)
+  for _ in range(len(open_.fragments)):  # round 0 on the worker threads
+    next(merges)
+  threads = list(closed._fused._pool._threads)  # pylint: disable=protected-access
+  assert len(threads) == 2 and all(t.is_alive() for t in threads)
+  closed.close()
+  deadline = time.monotonic() + 10
+  while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not any(t.is_alive() for t in threads)
+  for _, got, want, _, _, _ in merges:  # round 1 on the caller's thread
+    for name in want.theta:
+      np.testing.assert_array_equal(got.theta[name], want.theta[name])
+      np.testing.assert_array_equal(got.received[name], want.received[name])
 
 
 def test_staleness_scaling_in_the_fused_merge_equals_the_reference():

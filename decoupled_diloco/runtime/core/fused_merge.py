@@ -170,12 +170,24 @@ class FusedMerge:
 
   def _map(self, fn, items, size):
     """[fn(item) for item in items], run on the worker threads largest `size(item)` first (a
-    longest-first queue balances them), the results in the order of `items`."""
-    if self._pool is None or len(items) < 2:
+    longest-first queue balances them), the results in the order of `items`; on the caller's
+    thread with one thread, or once `close` has let the workers go."""
+    pool = self._pool
+    if pool is None or len(items) < 2:
       return [fn(item) for item in items]
     order = sorted(range(len(items)), key=lambda i: -size(items[i]))
-    futures = {i: self._pool.submit(fn, items[i]) for i in order}
+    try:
+      futures = {i: pool.submit(fn, items[i]) for i in order}
+    except RuntimeError:  # closed meanwhile (a merge still running as its syncer stopped)
+      return [fn(item) for item in items]
     return [futures[i].result() for i in range(len(items))]
+
+  def close(self) -> None:
+    """Lets the worker threads end once they are idle (`Syncer.join`); a merge after it runs on
+    the caller's thread."""
+    pool, self._pool = self._pool, None
+    if pool is not None:
+      pool.shutdown(wait=False)
 
   # ---- set-up ------------------------------------------------------------------------------------
 

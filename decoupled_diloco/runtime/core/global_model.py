@@ -198,6 +198,12 @@ class GlobalModel:
           block_size=compression.block_size, num_slots=self._padded_learners,
           scaled=staleness_scaling != "none", threads=merge_threads)
 
+  def close(self) -> None:
+    """Lets the fused merge's worker threads end (the syncer stopped); the model stays readable,
+    and a merge after it runs on the caller's thread."""
+    if self._fused is not None:
+      self._fused.close()
+
   # ---- set-up ------------------------------------------------------------------------------------
 
   def _build_merge_fn(self, average: bool):

@@ -234,6 +234,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
   def join(self, timeout: float | None = None) -> None:
     self._thread.join(timeout)
     self._workers.shutdown(wait=False, cancel_futures=True)
+    self.model.close()  # the merge's own threads, else idle until the process ends
 
   def kill(self) -> None:
     """A crash (config.chaos's syncer_crash): the thread stops and what it held is lost, as a
