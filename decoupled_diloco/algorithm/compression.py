@@ -38,7 +38,7 @@ FORMATS = ("fp32", "bf16", "int8", "int4", "int2", "int1")
 
 # Largest magnitude of a quantised value of the absmax formats. Symmetric ranges (no -128 / -8 /
 # -2) keep 0 exact and the rounding error the same on both sides.
-_QMAX = {"int8": 127, "int4": 7, "int2": 1}
+QMAX = {"int8": 127, "int4": 7, "int2": 1}  # the largest code of each integer format
 # Values packed into one byte.
 _PER_BYTE = {"int8": 1, "int4": 2, "int2": 4, "int1": 8}
 
@@ -175,7 +175,7 @@ def encode(x: np.ndarray, fmt: str, block_size: int) -> Encoded:
   if fmt == "int1":
     bits_N, scale_B = _sign_quantize(x_N, block_size)
     return Encoded(fmt, shape, (np.packbits(bits_N, bitorder="little"), scale_B), block_size)
-  q_N, scale_B = _quantize(x_N, _QMAX[fmt], block_size)
+  q_N, scale_B = _quantize(x_N, QMAX[fmt], block_size)
   pack = {"int8": lambda q: q, "int4": _pack_int4, "int2": _pack_int2}[fmt]
   return Encoded(fmt, shape, (pack(q_N), scale_B), block_size)
 

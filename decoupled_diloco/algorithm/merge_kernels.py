@@ -1,8 +1,8 @@
 """The syncer's merge loops, compiled by numba: each buffer read once, each result written once.
 
-The fused merge (`runtime/core/fused_merge.py`) calls these per tensor of a fragment. XLA:CPU ran the
-same arithmetic at 2-3x the time it takes to read the buffers (its block reductions over 64 values
-do not vectorise); these loops keep a block of 64 values in L1 while they compute its maximum, its
+The fused merge (`runtime/core/fused_merge.py`) calls these per tensor of a fragment. XLA:CPU runs
+the same arithmetic at 3-4x the time it takes to read the buffers (its block reductions over 64
+values do not vectorise); these loops keep a block of 64 values in L1 while they compute its maximum, its
 sums of squares and its codes, and a block of the merged direction while every learner adds to it.
 
 Every kernel gives the numpy encoder's and decoder's values (`compression.py`) bit for bit:
@@ -231,7 +231,8 @@ def prepare_int(values, anchor, qmax, q_N, scale_K, sums):
 
 @_jit
 def prepare_bf16(values, anchor, out_N, sums):
-  """bfloat16 bits of Delta into `out_N` (uint16), sums[0] = Σ Delta², sums[1] = Σ bf16(Delta)²."""
+  """bfloat16 bits of Delta into `out_N` (uint16); sums[0] = Σ Delta², sums[1] = Σ
+  bf16(Delta)²."""
   n = values.size
   raw = 0.0
   dec = 0.0
@@ -338,8 +339,8 @@ def bf16_sumsq(u_N):
 # One add per learner in learner order (`merge._sum_in_order`), from zero: 0 + c_0 x_0 is c_0 x_0,
 # and a learner with c_m = 0 (absent, or of weight 0) is skipped, where `_sum_in_order` adds 0 x_m.
 # Strict (`reassoc` would make c (q s) into (c q) s); the sums of squares are `_sumsq`'s.
-# A chunk of the direction (`_CHUNK` values, 4 KB: L1) stays in cache while every learner adds to it:
-# one slice per learner and chunk, not per block (a slice costs a reference count).
+# A chunk of the direction (`_CHUNK` values, 4 KB: L1) stays in cache while every learner adds to
+# it: one slice per learner and chunk, not per block (a slice costs a reference count).
 
 _CHUNK = 1024
 

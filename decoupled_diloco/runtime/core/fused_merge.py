@@ -1,9 +1,9 @@
 """The syncer's merge of one fragment: numba loops over each tensor once, the outer step in XLA.
 
-The reference merge (`GlobalModel(fused=False)`, issue 41's "before") encoded and decoded every
-outer gradient in numpy (a dozen passes, several in float64), took the screen's norm in another
-float64 pass, and merged a stacked copy. Here, per tensor of fragment p (`algorithm/merge_kernels.py`
-holds the loops):
+The reference merge (`GlobalModel(fused=False)`) encodes and decodes every outer gradient in
+numpy (a dozen passes, several in float64), takes the screen's norm in another float64 pass, and
+merges a stacked copy. Here, per tensor of fragment p (`algorithm/merge_kernels.py` holds the
+loops):
 
 1. `prepare` (per offer, screen and decode): Delta_m = anchor - theta_m, its wire (int codes and
    scales, bf16 bits, or fp32: the numpy encoder's, bit for bit) and the sums of squares of the raw
@@ -12,16 +12,17 @@ holds the loops):
    `Offer.for_the_wire`) is its wire already: an int4/int2 payload is unpacked, bf16 and int8 are
    taken as they are, and the sums of squares are those of its values.
 2. `step` (merge and outer step, once the screen has judged every offer): the learners' weights
-   (`merge.learner_weights`), RDA's coefficients w_m / ‖Δ_m‖ and radius or the average's, then one
+   (`merge.learner_weights`), RDA's coefficients w_m / ‖Δ_m‖ and radius or the average's, then
+   one
    pass that adds every learner's decoded wire into the direction a block at a time and sums its
    squares, then the optax outer step, one jitted program per tensor shape that reads Theta_p, the
    outer state and the direction once and writes the next ones.
 3. `broadcast` (delta broadcasts only): encode(Theta_p_new - R_p) and R_p + its decoded value, one
    pass.
 
-XLA:CPU ran steps 1-3 as programs too (this module before): its reductions over blocks of 64
-values do not vectorise, and it read each offer twice (block scales, then codes), at 3-4x the time
-it takes to read them. The loops run on `threads` worker threads (default 2), each taking the next
+The same steps as XLA:CPU programs do not vectorise their reductions over blocks of 64 values and
+read each offer twice (block scales, then codes): 3-4x the time it takes to read the offers
+(docs/performance.md). The loops run on `threads` worker threads (default 2), each taking the next
 (offer, tensor) or tensor, largest first; numba releases the GIL in them, and which thread ran a
 tensor changes nothing in its result, so the merge is bit for bit the same with any number.
 
@@ -54,7 +55,7 @@ from decoupled_diloco.algorithm import merge_kernels as kernels
 from decoupled_diloco.algorithm import outer
 from decoupled_diloco.runtime.core import messages
 
-QMAX = {"int8": 127, "int4": 7, "int2": 1}  # compression._QMAX (integers: see merge_kernels)
+QMAX = compression_lib.QMAX  # integers: numba compiles the loops ten times slower for a float
 FORMATS = ("fp32", "bf16") + tuple(QMAX)  # what the loops encode and decode; int1 is numpy's
 _UNPACK = {"int4": kernels.unpack_int4, "int2": kernels.unpack_int2}
 _PACK = {"int4": kernels.pack_int4, "int2": kernels.pack_int2}
