@@ -158,13 +158,20 @@ def test_bf16_sums_of_squares_are_those_of_the_values():
       np.sum(np.square(bits.view(ml_dtypes.bfloat16).astype(np.float64))), rtol=1e-6)
 
 
+# Coefficients: a group of four with a learner skipped (one pass each); four in one pass; four
+# in one pass, a group with a skip, a last learner alone; nobody.
+COEFFICIENTS = ([0.3, 0.0, 1.7, 0.9], [0.3, 1.1, 1.7, 0.9],
+                [0.3, 1.1, 1.7, 0.9, 0.5, 0.0, 1.2, 0.8, 1.4], [0.0, 0.0])
+
+
 @pytest.mark.parametrize("fmt", fused_merge.FORMATS)
 @pytest.mark.parametrize("shape, block_size", SHAPES)
-def test_combine_adds_the_learners_in_order_as_float32(fmt, shape, block_size):
-  """Σ_m c_m decode(wire_m) from 0, one add per learner (`merge._sum_in_order`), a learner with
-  c_m = 0 skipped; the sum of squares of the result."""
+@pytest.mark.parametrize("coefficients", COEFFICIENTS, ids=lambda c: f"M{len(c)}-{c.count(0.0)}off")
+def test_combine_adds_the_learners_in_order_as_float32(fmt, shape, block_size, coefficients):
+  """Σ_m c_m decode(wire_m) from 0, one add per learner in learner order
+  (`merge._sum_in_order`), a learner with c_m = 0 skipped; the sum of squares of the result."""
   n = int(np.prod(shape))
-  c_M = np.array([0.3, 0.0, 1.7, 0.9], np.float32)
+  c_M = np.array(coefficients, np.float32)
   wires, decoded = [], []
   for m in range(len(c_M)):
     x = _tensor(shape, 10 + m)

@@ -13,10 +13,9 @@ loops):
    taken as they are, and the sums of squares are those of its values.
 2. `step` (merge and outer step, once the screen has judged every offer): the learners' weights
    (`merge.learner_weights`), RDA's coefficients w_m / ‖Δ_m‖ and radius or the average's, then
-   one
-   pass that adds every learner's decoded wire into the direction a block at a time and sums its
-   squares, then the optax outer step, one jitted program per tensor shape that reads Theta_p, the
-   outer state and the direction once and writes the next ones.
+   the learners' decoded wires added into the direction in learner order, four learners a pass
+   over it, with its sum of squares, then the optax outer step, one jitted program per tensor
+   shape that reads Theta_p, the outer state and the direction once and writes the next ones.
 3. `broadcast` (delta broadcasts only): encode(Theta_p_new - R_p) and R_p + its decoded value, one
    pass.
 
@@ -230,8 +229,10 @@ class FusedMerge:
     if self._outer_grad in FORMATS:
       encoded = compression_lib.encode(values, self._outer_grad, b)
       self._prepare_one(dataclasses.replace(offer, encoded={"w": encoded}), "w")
-    self._combine(fmt, [wire] * self._num_slots, np.ones(self._num_slots, np.float32),
-                  values.size)
+    for skipped in (False, True):  # four learners a pass; one a pass where one is missing
+      c_M = np.ones(self._num_slots, np.float32)
+      c_M[0] = 0 if skipped else 1
+      self._scratch.give((self._combine(fmt, [wire] * self._num_slots, c_M, values.size)[0],))
     if self._delta_fmt is not None:
       self._broadcast_one(values, values)
 
