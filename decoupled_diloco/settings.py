@@ -157,6 +157,9 @@ class SyncerSettings:
   num_shards: int = 1
   # Threads of one merge (runtime/core/fused_merge.py): its offers and tensors run on them.
   merge_threads: int = 2
+  # After a merge, the process's freed C heap goes back to the OS if the syncer last looked this
+  # many seconds ago and it holds enough free (runtime/core/host_heap.py); 0 = never.
+  heap_trim_every_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -981,7 +984,9 @@ def validate(config: ml_collections.ConfigDict) -> RunSettings:
                           num_workers=_check_int(config, "syncer.num_workers", 1),
                           merge_delay_steps=_merge_delay_steps(config, mode),
                           num_shards=_check_int(config, "syncer.num_shards", 1),
-                          merge_threads=_check_int(config, "syncer.merge_threads", 1))
+                          merge_threads=_check_int(config, "syncer.merge_threads", 1),
+                          heap_trim_every_s=_check_float(config, "syncer.heap_trim_every_s",
+                                                         0.0))
 
   sync = _resolve_sync(config, mode, num_learners)
   chaos_settings = _resolve_chaos(config, mode, num_learners, num_steps)

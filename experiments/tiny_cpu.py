@@ -169,6 +169,13 @@ def get_config() -> ml_collections.ConfigDict:
   # host more shorten the largest fragment's merge (the tied embedding's), which more workers
   # cannot. Each worker's merge uses this many, so num_workers x merge_threads threads in all.
   config.syncer.merge_threads = 2
+  # After a merge, the process's freed C heap (glibc's) goes back to the OS if the syncer last
+  # looked this many seconds ago and the heaps hold at least 256 MB free: merges free arrays of a
+  # fragment's size on several threads, and glibc kept them, the run's resident memory climbing
+  # with the merges (runtime/core/host_heap.py).
+  # Each trim costs the threads that allocate again (page faults): every 1 s slowed a 33.7M
+  # data-parallel run 5-12%. 0 = never.
+  config.syncer.heap_trim_every_s = 5.0
   # Each merge holds its worker until the fastest learner has made this many more steps: emulates
   # a syncer slower than the learners (the lagging regime), the same in steps on any host's load.
   # 0 = none (merges run at the host's speed); decoupled mode only.

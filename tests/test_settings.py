@@ -71,6 +71,8 @@ def test_default_experiment_is_valid_and_resolves_to_the_spec_defaults():
     ("stall_timeout_s", 0.0, "config.stall_timeout_s=0.0"),
     ("syncer.num_workers", 0, "config.syncer.num_workers=0"),
     ("syncer.merge_threads", 0, "config.syncer.merge_threads=0 is invalid: must be >= 1"),
+    ("syncer.heap_trim_every_s", -1.0,
+     "config.syncer.heap_trim_every_s=-1.0 is invalid: must be in [0.0, inf]"),
     ("syncer.merge_delay_steps", -1, "config.syncer.merge_delay_steps=-1 is invalid: must be >= 0"),
     ("syncer.num_shards", 0, "config.syncer.num_shards=0 is invalid: must be >= 1"),
     ("syncer.num_shards", 25, "config.syncer.num_shards=25 is invalid: must be between 1 and "

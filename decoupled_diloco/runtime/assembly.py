@@ -131,7 +131,8 @@ def make_local_syncer(settings: settings_lib.RunSettings, *, metrics, network=No
       # The robust merge judges outer-gradient norms per unit of the learners' learning rate.
       inner_learning_rates=inner.learning_rates(settings.inner, settings.num_steps),
       learners_sharing_devices=settings.devices.learners_sharing_devices,
-      owned=owned, shard=shard, merge_threads=settings.syncer.merge_threads)
+      owned=owned, shard=shard, merge_threads=settings.syncer.merge_threads,
+      heap_trim_every_s=settings.syncer.heap_trim_every_s)
   made.compile()
   return made
 

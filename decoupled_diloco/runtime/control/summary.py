@@ -124,6 +124,9 @@ def run_summary(run: run_lib.Run, evals, train_seconds: float, wall_seconds: flo
     summary.update(_fault_summary(run, tape, incarnations, steps_made, tokens_per_step))
     summary["syncer_held_bytes"] = syncer.held_bytes()
     summary["syncer_peak_held_bytes"] = stats.peak_held_bytes
+    # The freed C heap handed back to the OS after merges (config.syncer.heap_trim_every_s).
+    summary["syncer_heap_trims"] = stats.heap_trims
+    summary["syncer_heap_trim_seconds"] = round(stats.heap_trim_s, 4)
     summary["syncer_steady_state_bytes"] = syncer.steady_state_bytes()
   else:
     summary.update(_job_restart_summary(run, tokens_per_step[0]))

@@ -227,6 +227,12 @@ class SyncerMerges:
           "syncer/sync_s": sync_s,
           "syncer/bytes_learner_syncer": stats.bytes_up + stats.bytes_down})
     self._open_owed(p)
+    # The merge's arrays are freed now; the heap they leave goes back to the OS now and then
+    # (after the broadcasts: a learner waits for none of it).
+    trimmed_s = self._heap.maybe_trim()
+    if trimmed_s is not None:
+      stats.heap_trims += 1
+      stats.heap_trim_s += trimmed_s
 
   def _record_rejection(self, p: int, rejection: global_model_lib.Rejection) -> None:
     offer = rejection.offer

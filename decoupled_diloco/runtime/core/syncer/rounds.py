@@ -119,6 +119,10 @@ class SyncerStats:
   # Theta_p sent again, in full, to a learner whose reports after the flush's final rounds still
   # did not say it held it (a broadcast lost on the way)
   flush_resent_fragments: int = 0
+  # The C heap's freed memory handed back to the OS after merges (runtime/core/host_heap.py,
+  # config.syncer.heap_trim_every_s): how often, and the seconds it took the syncer's thread.
+  heap_trims: int = 0
+  heap_trim_s: float = 0.0
 
 
 class SyncerRounds:

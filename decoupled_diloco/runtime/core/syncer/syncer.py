@@ -77,6 +77,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.algorithm import fragments as fragments_lib
 from decoupled_diloco.algorithm import grace as grace_lib
 from decoupled_diloco.runtime.core import global_model as global_model_lib
+from decoupled_diloco.runtime.core import host_heap
 from decoupled_diloco.runtime.core.syncer import merge_hold
 from decoupled_diloco.runtime.core import messages
 from decoupled_diloco.runtime.core import metrics as metrics_lib
@@ -138,9 +139,13 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
       owned: Sequence[int] | None = None,
       shard: int | None = None,
       merge_threads: int = 2,
+      heap_trim_every_s: float = 0.0,
   ):
     """`owned`: the fragments this syncer merges (a shard's); None: all. `shard`: its number
-    among the shards (None: the syncer is not sharded), named in its records."""
+    among the shards (None: the syncer is not sharded), named in its records.
+    `heap_trim_every_s`: after a merge, the process's freed C heap goes back to the OS if the
+    syncer last looked this long ago and it holds enough free (runtime/core/host_heap.py); 0 =
+    never."""
     # Seconds for the quorum and grace deadlines, heartbeats and timings on the tape. A test may
     # drive it by hand, so that a deadline falls where the test says, not where the host's load
     # puts it.
@@ -195,6 +200,7 @@ class Syncer(syncer_rounds.SyncerRounds, syncer_merge.SyncerMerges,
     self._flush_done = threading.Event()
     self._stop = threading.Event()
     self.stats = SyncerStats()
+    self._heap = host_heap.HeapTrimmer(heap_trim_every_s, clock=clock)
     self.tape: list[dict[str, Any]] = []  # every merge decision, in order (docs/design.md §6)
     self.error: BaseException | None = None
     self.compile_seconds = 0.0
