@@ -21,7 +21,8 @@ class _Clock:
 
 def test_trims_at_most_once_per_interval():
   clock, calls = _Clock(), []
-  heap = host_heap.HeapTrimmer(5.0, clock=clock, trim=lambda: calls.append(clock.now))
+  heap = host_heap.HeapTrimmer(5.0, clock=clock, trim=lambda: calls.append(clock.now),
+                               free_bytes=lambda: host_heap.MIN_FREE_BYTES)
   for now in (0.0, 1.0, 4.9, 5.0, 9.0, 10.1, 30.0):
     clock.now = now
     heap.maybe_trim()

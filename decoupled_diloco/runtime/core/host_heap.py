@@ -72,7 +72,7 @@ class HeapTrimmer:
     self._clock = clock
     self._trim = trim if trim is not None else (_malloc_trim() if every_s > 0 else None)
     self._free_bytes = free_bytes if free_bytes is not None else (
-        _free_heap_bytes() if trim is None and every_s > 0 else None)
+        _free_heap_bytes() if every_s > 0 else None)
     self._min_free_bytes = MIN_FREE_BYTES if min_free_bytes is None else min_free_bytes
     self._last: float | None = None
     self.trims = 0
