@@ -8,10 +8,12 @@ Phases, each run a process of its own (scripts/gpu_phases.py), all on experiment
   a. identity, deterministic: one learner of batch 16, with
      XLA_FLAGS=--xla_gpu_deterministic_ops=true: dp twice (settles whether dp is bit-identical
      run to run: the final eval losses equal to the bit) and decoupled with the identity outer
-     step twice (scripts/bench_accelerator.py's IDENTITY). Settles whether, with the noise gone,
-     the identity run equals dp within 0.1% (H100 with cuDNN: +0.93% and +2.55%; H200 with XLA:
-     -0.30%): a fail is a real loss to bisect (donation off, publication ordered after the step,
-     keep_in_flight_progress).
+     step twice (scripts/bench_accelerator.py's IDENTITY), every step's training loss logged.
+     Settles whether, with the noise gone, the identity run equals dp within 0.1% (H100 with
+     cuDNN: +0.93% and +2.55%; H200 with XLA: -0.30%, then +0.07% and +0.26% before the merge
+     and the rebase were made exact for one learner) and at which step, if any, its training
+     losses leave dp's (on CPU none does: the identity run makes dp's steps bit for bit). A step
+     apart is where to bisect from (donation off, publication ordered after the step).
   b. identity with cuDNN attention, not deterministic: dp twice and the identity step once;
      passes when the identity run is within dp's own spread (|dp1 - dp2|, at least 0.1%).
   c. four learners sharing the GPU (one_gpu.py's layout, batch 8 each) against dp (one job of
@@ -64,10 +66,13 @@ def plan(device: gpu_phases.Device) -> list[dict]:
                             eval_every=max(steps["shared"] // 2, 1))
   identity = {**bench_accelerator.IDENTITY, "mode": "decoupled"}
   deterministic = device.env(DETERMINISTIC)
-  runs = [{"phase": "a", "name": f"dp_deterministic_{i}", "overrides": {**one, "mode": "dp"},
-           "env": deterministic, "weight": 1.0} for i in (1, 2)]
-  runs += [{"phase": "a", "name": f"identity_deterministic_{i}", "overrides": {**one, **identity},
-            "env": deterministic, "weight": 1.0} for i in (1, 2)]
+  every_step = {"log_every": 1}  # phase a compares the training losses step by step
+  runs = [{"phase": "a", "name": f"dp_deterministic_{i}",
+           "overrides": {**one, **every_step, "mode": "dp"}, "env": deterministic,
+           "weight": 1.0} for i in (1, 2)]
+  runs += [{"phase": "a", "name": f"identity_deterministic_{i}",
+            "overrides": {**one, **every_step, **identity}, "env": deterministic,
+            "weight": 1.0} for i in (1, 2)]
   cudnn = {"model.attention": "cudnn"}
   runs += [{"phase": "b", "name": f"dp_cudnn_{i}", "overrides": {**one, **cudnn, "mode": "dp"},
             "env": device.env(), "weight": 0.9} for i in (1, 2)]
@@ -97,14 +102,32 @@ def _mean(values: list[float | None]) -> float | None:
   return sum(known) / len(known) if known and len(known) == len(values) else None
 
 
+def first_step_apart(losses: dict | None, reference: dict | None) -> int | None:
+  """The first step whose training loss differs from the reference's (both {step: loss}); 0 when
+  every step both have is equal, None when either is missing."""
+  if not losses or not reference:
+    return None
+  apart = [step for step in sorted(set(losses) & set(reference)) if losses[step] != reference[step]]
+  return apart[0] if apart else 0
+
+
 def judge(phase: str, runs: dict) -> dict:
   """A phase's verdict from its runs' figures (`runs` by name); None where a figure is missing."""
   if phase == "a":
     dp = [_final(runs, f"dp_deterministic_{i}") for i in (1, 2)]
     ident = [_final(runs, f"identity_deterministic_{i}") for i in (1, 2)]
     gap = gpu_phases.relative_gap(_mean(ident), _mean(dp))
+    reference = runs.get("dp_deterministic_1", {}).get("step_losses")
+    # Where an identity run leaves dp's steps: 0 = every training loss equal to dp's, bit for bit
+    # (as on CPU); else the step to bisect from.
+    apart = {f"identity_{i}_first_step_apart_from_dp": first_step_apart(
+        runs.get(f"identity_deterministic_{i}", {}).get("step_losses"), reference)
+             for i in (1, 2)}
     return {"dp_bit_identical": None if None in dp else dp[0] == dp[1],
+            "dp_steps_apart": first_step_apart(
+                runs.get("dp_deterministic_2", {}).get("step_losses"), reference),
             "identity_bit_identical": None if None in ident else ident[0] == ident[1],
+            **apart,
             "identity_gap_to_dp": gap,
             "identity_within_0.1%": None if gap is None else abs(gap) <= IDENTITY_TOLERANCE}
   if phase == "b":
@@ -208,6 +231,8 @@ def main() -> None:
       after = sum(later["weight"] for later in runs[i + 1:] if not later.get("skip"))
       figures = gpu_phases.run(device, budget, r["name"], r["overrides"], workdir=args.workdir,
                                weight=r["weight"], weight_after=after, env=r["env"])
+      if r["phase"] == "a":
+        figures["step_losses"] = gpu_phases.step_losses(args.workdir, r["name"])
     done[r["name"]] = figures
     entry["runs"].append(figures)
     entry["verdict"] = judge(r["phase"], done)

@@ -29,7 +29,7 @@ REL_TOL = 1e-6
 
 
 def _model(fused, outer_grad="bf16", broadcast_delta="none", staleness_scaling="none",
-           merge_threads=2):
+           merge_threads=2, outer_tx=("sgd_nesterov", 0.7, 0.3)):
   shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in SHAPES.items()}
   fragments = fragments_lib.partition(shapes, 2, "balanced",
                                       embedding_names=("embedder/embedding",))
@@ -38,7 +38,7 @@ def _model(fused, outer_grad="bf16", broadcast_delta="none", staleness_scaling="
   model = global_model_lib.GlobalModel(
       fragments=fragments, initial_params=initial,
       mesh=Mesh(np.array(jax.devices()[:1]), ("learner",)),
-      outer_tx=outer.make_outer_optimizer("sgd_nesterov", 0.7, 0.3),
+      outer_tx=outer.make_outer_optimizer(*outer_tx),
       merge=default_settings("merge"),
       compression=default_settings("compression", outer_grad=outer_grad,
                                    broadcast_delta=broadcast_delta),
@@ -112,6 +112,30 @@ def test_fused_merge_equals_the_reference_within_float32_rounding(outer_grad, br
                                       before[name] + compression.decode(expected))
     merged += 1
   assert merged == 4
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_identity_outer_step_hands_one_learners_offer_back_as_the_merge_saw_it(fused):
+  """SGD at lr 1 without momentum, one learner offering (the others absent): Theta_p becomes
+  A - (A - theta_offered) in float32, bit for bit, in both the RDA fragment and the embedding's
+  (the weighted average); the learner's rebase (algorithm/receive.py) then leaves it exactly as it
+  is. Before one learner's Delta was taken as it is, RDA's radius and norm moved some values by an
+  ulp."""
+  model = _model(fused, "fp32", outer_tx=("sgd", 1.0, 0.0))
+  rng = np.random.default_rng(7)
+  for p in range(len(model.fragments)):
+    anchor = model.received_fragment(p)
+    values = {n: anchor[n] + rng.standard_normal(anchor[n].shape).astype(np.float32)
+              * np.float32(1e-3) for n in model.fragments[p].names}
+    offer = messages.Offer(learner=2, fragment=p, step=24, since=0, steps=24, tokens=2400,
+                           anchor_version=0, values=values,
+                           anchor={n: anchor[n] for n in model.fragments[p].names})
+    screening = model.screen(p, (offer,))
+    model.keep_screening(screening)
+    result = model.merge(p, screening.accepted, screening.prepared)
+    for name, value in values.items():
+      np.testing.assert_array_equal(result.theta[name], anchor[name] - (anchor[name] - value),
+                                    err_msg=f"{name} (fused={fused})")
 
 
 def test_the_fused_merge_is_the_same_bit_for_bit_on_one_thread_and_on_two():

@@ -46,6 +46,10 @@ def test_the_triage_dry_run_judges_every_phase(dry_runs):
   assert [r["status"] for r in phases["a"]["runs"]] == ["done"] * 4
   assert a["dp_bit_identical"] is True and a["identity_within_0.1%"] is True
   assert abs(a["identity_gap_to_dp"]) <= 1e-3
+  # Every step's training loss was compared: on CPU the identity runs make dp's steps exactly.
+  assert all(len(r["step_losses"]) == r["learner_steps"][0] for r in phases["a"]["runs"])
+  assert a["dp_steps_apart"] == 0
+  assert a["identity_1_first_step_apart_from_dp"] == a["identity_2_first_step_apart_from_dp"] == 0
   assert all(r["status"] == "skipped" for r in phases["b"]["runs"])  # no cuDNN on a CPU
   c = phases["c"]["verdict"]
   assert c["tokens_per_s_over_dp"] > 0 and 0 < c["goodput"] <= 1 and c["late_offers"] >= 0

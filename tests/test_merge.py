@@ -61,6 +61,25 @@ def test_a_single_learner_is_its_own_merge():
   np.testing.assert_allclose(merge.weighted_average(delta, [7.0]), delta[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("merge_fn", [merge.rda, merge.weighted_average])
+def test_one_learner_of_positive_weight_is_its_merge_bit_for_bit(merge_fn):
+  """The identity outer step hands a lone learner's parameters back only if its Δ comes out of
+  the merge unrounded: a radius, a norm and a division in float32 each move some values by an ulp
+  (what made the one-learner identity run part from dp). Others of weight 0 change nothing."""
+  rng = np.random.default_rng(0)
+  delta_MxN = rng.standard_normal((3, 4096)).astype(np.float32) * np.float32(1e-3)
+  for weights in ([0.0, 37.0, 0.0], [123.0, 0.0, 0.0]):
+    alone = int(np.flatnonzero(weights)[0])
+    assert merge.sole_learner(weights) == alone
+    np.testing.assert_array_equal(merge_fn(delta_MxN, weights), delta_MxN[alone])
+    np.testing.assert_array_equal(jax.jit(merge_fn)(delta_MxN, np.float32(weights)),
+                                  delta_MxN[alone])
+  assert merge.sole_learner([1.0, 2.0, 0.0]) is None and merge.sole_learner([0.0] * 3) is None
+  # Two learners merge as before: the general rule, not either Δ.
+  both = merge_fn(delta_MxN, [1.0, 2.0, 0.0])
+  assert not np.array_equal(both, delta_MxN[0]) and not np.array_equal(both, delta_MxN[1])
+
+
 def test_zero_norm_delta_counts_in_the_radius_but_has_no_direction():
   # Δ1 = [3, 4], Δ2 = 0, w = (1, 1): radius (5 + 0) / 2 = 2.5 along φ(Δ1) = [0.6, 0.8] -> [1.5, 2].
   got = merge.rda(_stack(DELTA1, [0.0, 0.0]), [1.0, 1.0])

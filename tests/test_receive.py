@@ -38,6 +38,28 @@ def test_keep_against_an_older_anchor_rebases_theta_onto_the_offers_anchor():
   np.testing.assert_array_equal(got, [1.0, 3.0, 6.0])
 
 
+def test_a_merge_that_hands_the_offer_back_leaves_the_learner_exactly_where_it_is():
+  """The identity outer step gives Θ = A_o - (A_o - θ_offered) in float32 (the syncer's outer
+  gradient, rounded, taken back off the anchor), which is not θ_offered where the step from A_o is
+  large against the value (a weight near zero). Kept progress is then θ_now + (Θ - that), exactly
+  θ_now: the learner goes on as if no merge had come (as dp). Θ + (θ_now - θ_offered) would round
+  twice on every value."""
+  rng = np.random.default_rng(1)
+  anchor = rng.standard_normal(8192).astype(np.float32) * np.float32(1e-3)
+  # Weights the steps since A_o brought near zero: a step of 1e-3 to a value of 1e-5.
+  offered = rng.standard_normal(8192).astype(np.float32) * np.float32(1e-5)
+  now = jnp.asarray(offered + rng.standard_normal(8192).astype(np.float32) * np.float32(1e-4))
+  theta = anchor - (anchor - offered)  # SGD at lr 1 on Δ = A_o - θ_offered
+  assert not np.array_equal(theta, offered)  # the case that matters is in the data
+  for gather in (None, lambda x: np.asarray(jax.device_get(x))):
+    got = receive.receive(theta, now, alpha=0.0, sharding=_ON, offered=offered,
+                          offer_anchor=anchor, gather=gather)
+    np.testing.assert_array_equal(got, now)
+  # Without the offer's anchor the values where Θ != θ_offered move.
+  moved = receive.receive(theta, now, alpha=0.0, sharding=_ON, offered=offered)
+  assert not np.array_equal(moved, now)
+
+
 def test_alpha_mixes_the_local_value_into_the_received_one():
   got = receive.receive(THETA, NOW, alpha=0.25, sharding=_ON)
   np.testing.assert_array_equal(got, [2.0, 3.0, 4.75])  # 0.25·θ_now + 0.75·Θ

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 WEIGHTINGS = ("tokens_sq_over_steps", "tokens", "uniform")
 MERGE_RULES = ("rda", "average")
@@ -136,6 +137,25 @@ def _stacked_f32(delta_MxN: PyTree, w_M) -> tuple[PyTree, jax.Array]:
   )
 
 
+def sole_learner(w_M) -> int | None:
+  """The one learner with a positive weight, if exactly one has (host values).
+
+  Both rules then give that learner's Δ_m itself (RDA: radius ‖Δ_m‖ times φ(Δ_m); the average:
+  w_m Δ_m / w_m), and the merges take it as it is: in float32 the radius, the norm and the
+  division would each round, so that even the identity outer step (SGD, lr 1) would not give the
+  learner's parameters back bit for bit.
+  """
+  positive = np.flatnonzero(np.asarray(w_M) > 0)
+  return int(positive[0]) if positive.size == 1 else None
+
+
+def _or_the_sole_learner(x_MxN, w_M, merged):
+  """`merged`, or the one learner's Δ_m when only it has a positive weight (`sole_learner`),
+  under jit: Σ_m [w_m > 0] Δ_m adds one value and zeros, exactly."""
+  alone = (w_M > 0).astype(jnp.float32)
+  return jnp.where(jnp.sum(alone) == 1, _weighted_sum(alone, x_MxN), merged)
+
+
 def weighted_average(delta_MxN: PyTree, w_M) -> PyTree:
   """Δ = Σ_m w_m Δ_m / Σ_m w_m over the leading learner axis of every leaf; 0 when Σ w = 0.
 
@@ -143,14 +163,15 @@ def weighted_average(delta_MxN: PyTree, w_M) -> PyTree:
   """
   delta_MxN, w_M = _stacked_f32(delta_MxN, w_M)
   w_sum = jnp.sum(w_M)
-  return jax.tree.map(lambda x: _safe_div(_weighted_sum(w_M, x), w_sum), delta_MxN)
+  return jax.tree.map(
+      lambda x: _or_the_sole_learner(x, w_M, _safe_div(_weighted_sum(w_M, x), w_sum)), delta_MxN)
 
 
 def _rda_leaf(x_MxN, w_M):
   w_sum = jnp.sum(w_M)
   radius = _safe_div(jnp.sum(w_M * _norms_M(x_MxN)), w_sum)
   direction = _safe_div(_weighted_sum(w_M, jax.vmap(_unit)(x_MxN)), w_sum)
-  return radius * _unit(direction)
+  return _or_the_sole_learner(x_MxN, w_M, radius * _unit(direction))
 
 
 def rda(delta_MxN: PyTree, w_M) -> PyTree:

@@ -117,19 +117,28 @@ def _num_blocks(n: int, block_size: int) -> int:
 
 
 def _coefficients(w_M: np.ndarray, norms_M: np.ndarray, scale_M: np.ndarray | None,
-                  rda: bool) -> tuple[np.ndarray, float, float]:
-  """(c_M, mul, div) in float32 with delta = (Σ_m c_m Δ_m) · mul / div, finishing
-  `merge.rda_direction` / `rda_finish` and `average_from_parts`; RDA's mul is its radius, which
-  the caller still divides by the direction's norm."""
+                  rda: bool) -> tuple[np.ndarray, float, float, bool]:
+  """(c_M, mul, div, normalise) in float32 with delta = (Σ_m c_m Δ_m) · mul / div, finishing
+  `merge.rda_direction` / `rda_finish` and `average_from_parts`; with `normalise` (RDA) mul is its
+  radius, which the caller still divides by the direction's norm.
+
+  One learner alone (`merge.sole_learner`): both rules give its s_m Δ_m, taken as it is (c = s_m,
+  mul = div = 1, no normalising), so that the identity outer step gives back its parameters bit
+  for bit rather than through a radius and a norm rounded to float32."""
   safe_div = lambda a, b: np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
   w_M = w_M.astype(np.float32)
+  sole = merge_lib.sole_learner(w_M)
+  if sole is not None:
+    c_M = np.zeros_like(w_M)
+    c_M[sole] = 1.0 if scale_M is None else scale_M[sole]
+    return c_M, 1.0, 1.0, False
   total = np.float32(np.sum(w_M, dtype=np.float32))
   if rda:
     lengths = norms_M if scale_M is None else norms_M * scale_M
     radius = safe_div(np.float32(np.sum(w_M * lengths, dtype=np.float32)), total)
-    return safe_div(w_M, norms_M), float(radius), 1.0
+    return safe_div(w_M, norms_M), float(radius), 1.0, True
   c_M = w_M if scale_M is None else (w_M * scale_M).astype(np.float32)
-  return c_M, (1.0 if total != 0 else 0.0), (float(total) if total != 0 else 1.0)
+  return c_M, (1.0 if total != 0 else 0.0), (float(total) if total != 0 else 1.0), False
 
 
 def _outer_fn(tx: optax.GradientTransformation):
@@ -341,9 +350,9 @@ class FusedMerge:
                        else (self._decoded(offer.wires[name], offer.formats[name], theta.size),))
         norms[slot] = offer.norms[name]
       rda = not (name in embedding_names or self._rule == "average")
-      c_M, mul, div = _coefficients(w_M, norms, scale_M, rda)
+      c_M, mul, div, normalise = _coefficients(w_M, norms, scale_M, rda)
       direction, sumsq = self._combine(fmt, wires, c_M, theta.size)
-      if rda:  # radius · φ(direction) (`merge.rda_finish`)
+      if normalise:  # radius · φ(direction) (`merge.rda_finish`)
         norm = np.sqrt(np.float32(sumsq))
         mul = float(np.float32(mul) / norm) if norm > 0 else 0.0
       new_theta, new_opt = self._outer_program(theta, opt_p[name])(

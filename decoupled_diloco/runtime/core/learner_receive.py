@@ -45,6 +45,12 @@ def apply(learner: Any, broadcast: messages.Broadcast) -> None:
                         if learner._published.step == learner.step else 0, merged=merged_step)
     taken, unknown = learner._ledger.merged(p, merged_step, learner._since[p])
   keep = (learner._options.keep_in_flight_progress or learner._finished) and not unknown
+  # A learner that finished, with no step and no other merge of p since the offer this merge took:
+  # nothing is in flight, and it ends holding Theta_p itself. (The rebase would give the same in
+  # reals; in float32 it leaves theta_now as it is where Theta_p hands the offer back, as the
+  # identity outer step does, which is what keeps a learner on dp's steps while it trains.)
+  caught_up = (learner._finished and taken is not None and taken.step == learner.step
+               and taken.anchor_version == learner._anchor_versions[p])
   params = learner._state.params
   anchors, updates = dict(learner._anchors), {}
   for name, encoded in broadcast.values.items():
@@ -53,17 +59,18 @@ def apply(learner: Any, broadcast: messages.Broadcast) -> None:
       # The anchor is R_p at the base version: the same float32 sum as the syncer's new R_p.
       theta_global = learner._anchors[name] + theta_global
     now = learner._layout.get(params, name)
-    offered = moved = None
-    if keep and taken is not None:
+    offered = offer_anchor = moved = None
+    if keep and taken is not None and not caught_up:
       # The merge took this learner's steps up to the offer: keep those after it.
-      offered = taken.values[name]
+      offered, offer_anchor = taken.values[name], taken.anchor[name]
       if taken.anchor_version != learner._anchor_versions[p]:
         moved = (learner._anchors[name], taken.anchor[name])
-    elif keep:
+    elif keep and taken is None:
       offered = learner._anchors[name]  # none of the unmerged steps is in this merge: keep them all
     updates[name] = receive_lib.receive(
         theta_global, now, alpha=learner._options.alpha, sharding=learner._flat_shardings[name],
-        offered=offered, anchors=moved, gather=host_array if learner._finished else None)
+        offered=offered, offer_anchor=offer_anchor, anchors=moved,
+        gather=host_array if learner._finished else None)
     anchors[name] = theta_global
   learner._state = learner._state._replace(params=learner._layout.set(params, updates))
   learner._anchors = anchors
