@@ -11,10 +11,10 @@ bytes as the largest size the time allows would read (the report counts all ther
 seconds; --corpus_dir skips it, its seq_len must be SEQ_LEN); (2) the size: the largest of SIZES
 whose 20 tokens per parameter fit both the corpus's training windows (no repetition: the learners'
 disjoint shards together) and the decoupled arm's share of the budget at an *assumed* throughput,
---assumed_mfu (default 5%) of the card's dense bf16 peak over the model's FLOPs per token. That is
-a fixed table and an assumption, not a calibration: 5% is below the 12.6% four sharing learners
-measured at 124M on an H200 (results/accelerator_gpu_2026-11-26_one_device.md), for smaller
-kernels; --size forces one. (3) three arms at equal tokens, each a process of its own
+--assumed_mfu (default 3.7%) of the card's dense bf16 peak over the model's FLOPs per token. That
+is a fixed table and one measurement, not a calibration on the card at hand: 3.7% is what the
+4.26M arms made on an H200 (results/gpu_quality_h200_2026-11-28.md; the 5% assumed there picked
+the same size but left dp short of its last 150 steps); --size forces one. (3) three arms at equal tokens, each a process of its own
 (scripts/gpu_phases.py), on experiments/one_gpu.py's layout: dp (one job of batch 4 x 32),
 decoupled M = 4 and streaming M = 4 (config.mode=streaming: the same M, H = P = 24, tau, only the
 asynchrony differs), all four learners sharing the GPU, with one_gpu.py's inner AdamW (lr 1e-3,
@@ -61,8 +61,10 @@ SIZES = {name: {"model.embed_dim": d, "model.num_layers": layers, "model.num_hea
 TOY = {"toy": {"model.embed_dim": 16, "model.num_layers": 2, "model.num_heads": 2,
                "model.head_dim": 8, "model.mlp_dim": 32}}
 DRY_RUN_STEPS = 8
-# Arms: mode and weight (expected time, decoupled = 1; dp's one job runs faster).
-ARMS = {"dp": ("dp", 0.8), "decoupled M=4": ("decoupled", 1.0), "streaming M=4": ("streaming", 1.1)}
+# Arms: mode and weight (expected time, decoupled = 1). On the H200 at 4.26M dp's one job trained
+# at 1.08x decoupled's tokens/s but, first to run, compiled into a cold cache (31.5 s to its first
+# step against 20.5 s): with 0.8 of decoupled's share it stopped 150 steps short.
+ARMS = {"dp": ("dp", 1.0), "decoupled M=4": ("decoupled", 1.0), "streaming M=4": ("streaming", 1.1)}
 STARTUP_S = 40.0  # an arm's start-up and compiles on a GPU, outside its training time
 SAFETY = 0.8  # of an arm's training time the plan may use
 
@@ -180,7 +182,7 @@ def main() -> None:
   parser.add_argument("--corpus_dir", default=None,
                       help="shards of scripts/prepare_code_corpus.py (default: build them here)")
   parser.add_argument("--size", default=None, choices=sorted(SIZES), help="skip the choice")
-  parser.add_argument("--assumed_mfu", type=float, default=0.05,
+  parser.add_argument("--assumed_mfu", type=float, default=0.037,
                       help="the sharing learners' model FLOPs utilisation the size choice assumes")
   parser.add_argument("--workdir", default="/tmp/gpu_quality", help="the runs' working directories")
   parser.add_argument("--out_dir", default=str(ROOT / "results"), help="where the report goes")
