@@ -28,7 +28,10 @@ def _as_merged(offered, anchor):
   at lr 1, one learner) gives exactly this, and not always θ_offered itself (where the step from
   A_o is not small against the value, e.g. a weight crossing zero)."""
   offered = jnp.asarray(offered, jnp.float32)
-  return offered if anchor is None else anchor - (anchor - offered)
+  if anchor is None:
+    return offered
+  # The barrier keeps a compiler from folding A - (A - x) into x, which is not the same in float32.
+  return anchor - jax.lax.optimization_barrier(anchor - offered)
 
 
 @jax.jit
