@@ -66,7 +66,9 @@ def apply(learner: Any, broadcast: messages.Broadcast) -> None:
       if taken.anchor_version != learner._anchor_versions[p]:
         moved = (learner._anchors[name], taken.anchor[name])
     elif keep and taken is None:
-      offered = learner._anchors[name]  # none of the unmerged steps is in this merge: keep them all
+      # None of the unmerged steps is in this merge: keep them all (against the anchor, which
+      # A - (A - A) leaves as it is: the same program as above).
+      offered = offer_anchor = learner._anchors[name]
     updates[name] = receive_lib.receive(
         theta_global, now, alpha=learner._options.alpha, sharding=learner._flat_shardings[name],
         offered=offered, offer_anchor=offer_anchor, anchors=moved,
