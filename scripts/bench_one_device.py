@@ -217,7 +217,10 @@ def figures(summary: dict) -> dict:
                                    "syncer_compile_s", "merges", "merges_due",
                                    "merges_before_flush", "late_offers", "heartbeat_absences",
                                    "double_merged_offers", "goodput", "stale_answers",
-                                   "due_while_in_flight", "rounds_without_quorum")
+                                   "due_while_in_flight", "rounds_without_quorum",
+                                   # Where a short run's idle seconds go: the end after the last
+                                   # step (flush included), against the whole wall time.
+                                   "wall_seconds", "flush_seconds", "end_seconds", "uptime")
            if k in summary},
         # Seconds of every learner's window in each goodput bucket, summed over learners.
         "buckets_s": {k: round(sum(b[k] for b in summary["time_buckets"].values()), 2)

@@ -148,6 +148,11 @@ def judge(phase: str, runs: dict) -> dict:
             "goodput": goodput, "late_offers": ours.get("late_offers"),
             "merges_before_flush": ours.get("merges_before_flush"),
             "merges_due": ours.get("merges_due"),
+            # Where the learners' idle seconds went: the end after the last step (the flush of
+            # it) against the run's wall time, decoupled and dp (a short run feels a fixed end).
+            "buckets_s": ours.get("buckets_s"),
+            "end_seconds": ours.get("end_seconds"), "flush_seconds": ours.get("flush_seconds"),
+            "wall_seconds": ours.get("wall_seconds"), "dp_end_seconds": dp.get("end_seconds"),
             "eval_loss_at_equal_tokens": ratios.get("eval_loss_at_equal_tokens", []),
             "tokens_per_s_target_met": None if over is None else
             over >= TARGETS["tokens_per_s_over_dp"],

@@ -54,6 +54,7 @@ def test_the_triage_dry_run_judges_every_phase(dry_runs):
   c = phases["c"]["verdict"]
   assert c["tokens_per_s_over_dp"] > 0 and 0 < c["goodput"] <= 1 and c["late_offers"] >= 0
   assert c["merges_due"] > 0 and isinstance(c["goodput_target_met"], bool)
+  assert 0 < c["flush_seconds"] <= c["end_seconds"] < c["wall_seconds"] and c["dp_end_seconds"] > 0
   # d: the trial is run and recorded; on a CPU it stops at cuDNN's refusal of the platform
   # (test_settings checks that its variable lifts the sharing refusal).
   d = phases["d"]["verdict"]

@@ -63,6 +63,9 @@ def test_decoupled_run_trains_merges_and_writes_its_summary(tmp_path):
   for key in ("init_compile_s", "train_compile_s", "eval_compile_s", "syncer_compile_s"):
     assert 0 < summary[key] < summary["build_seconds"], key
   assert summary["eval_seconds"] > 0 and summary["host_peak_rss_bytes"] > 0
+  # The end of the run after the last step: the flush, then the rest (the final eval among it).
+  assert 0 < summary["flush_seconds"] <= summary["end_seconds"] < summary["wall_seconds"]
+  assert summary["end_seconds"] >= summary["eval_history"][-1]["seconds"]
   assert summary["unmerged_steps_at_end"] == [0] * 4 and summary["double_merged_offers"] == 0
   kinds = {json.loads(line)["kind"] for line in open(os.path.join(tmp_path, "metrics.jsonl"))}
   assert {"learner", "merge", "eval"} <= kinds
@@ -149,6 +152,7 @@ def test_dp_mode_is_one_learner_with_the_same_token_budget(tmp_path):
   assert summary["tokens_trained"] == 4 * 24 * 4 * 32
   assert summary["bytes_learner_syncer"] == 0
   assert summary["final_eval_loss"] < 4.5
+  assert summary["flush_seconds"] == 0 < summary["end_seconds"]  # no syncer, nothing to flush
 
 
 def test_syncer_anchor_int4_and_mixing_run(tmp_path):

@@ -74,12 +74,15 @@ def execute(run: run_lib.Run, *, progress: bool = True) -> dict[str, Any]:
       run.supervisor.stop()
       _check_supervisor(run.supervisor)
     train_seconds = time.perf_counter() - saver.train_started
+    trained_at = time.perf_counter()
+    flush_seconds = 0.0
     syncer = run.syncer  # the current one (a crashed syncer was replaced)
     if syncer is not None:
       # Merge what every learner did since its last sync, so the global model holds all the work.
       if not syncer.flush(timeout=run.settings.stall_timeout_s):
         raise RuntimeError(f"the final flush did not finish within config.stall_timeout_s="
                            f"{run.settings.stall_timeout_s} s")
+      flush_seconds = time.perf_counter() - trained_at
     # The final checkpoint: a run resumed from it has nothing left to train.
     saver.save_now(timeout_s=run.settings.stall_timeout_s, train_seconds=train_seconds)
     for learner in learners:
@@ -104,6 +107,11 @@ def execute(run: run_lib.Run, *, progress: bool = True) -> dict[str, Any]:
   train_seconds += run.history["train_seconds"]
   wall_seconds = time.perf_counter() - start + run.history["wall_seconds"]
   summary = summary_lib.run_summary(run, evals, train_seconds, wall_seconds)
+  # This process's end of the run, after the last learner's last step: the final flush (its share
+  # of the learners' idle time in `time_buckets`, which a short run feels most), then the final
+  # checkpoint, the joins and the final evaluation.
+  summary["flush_seconds"] = round(flush_seconds, 3)
+  summary["end_seconds"] = round(time.perf_counter() - trained_at, 3)
   summary.update(summary_lib.params_hashes(run))
   summary.update(goodput_lib.summary(goodput_lib.whole_run(
       run, started_at=run.started_at, ended_at=time.monotonic(), final=True)))
