@@ -297,15 +297,27 @@ def test_identity_outer_step_with_one_learner_tracks_dp_under_a_lagging_syncer(t
   assert decoupled["unmerged_steps_at_end"] == [0]
 
 
-def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_left_out(tmp_path):
+def test_after_the_flush_every_learner_holds_the_global_model_and_no_step_is_left_out(tmp_path,
+                                                                                   monkeypatch):
   """The flush merges every learner's last steps, whatever it last received,
   and every learner ends holding Theta (to float32 rounding: an offer anchored one version behind
   is rebased through Theta - A_now + A_offer, exact in reals, not in float32)."""
+  deliver, after_training = learner_lib.Learner.deliver, []
+
+  def counted(self, broadcast):
+    if self.finished_training.is_set():
+      after_training.append(broadcast.fragment)
+    deliver(self, broadcast)
+
+  monkeypatch.setattr(learner_lib.Learner, "deliver", counted)
   run, summary = _run(tmp_path, learner_step_delays_s=(0.0, 0.0, 0.02, 0.0))
   assert summary["rounds_without_quorum"] == 0
   assert summary["unmerged_steps_at_end"] == [0] * 4
   assert summary["double_merged_offers"] == 0
-  assert summary["final_merges"] >= 1
+  # Merges reached learners that had finished: the flush's own, or, on a host slow enough that the
+  # syncer's last rounds took the learners' final publications (the flush then merges nothing),
+  # those rounds'.
+  assert after_training, summary["final_merges"]
   _every_learner_holds_theta(run)
 
 
