@@ -77,15 +77,6 @@ def command(fields: dict) -> str:
                      for k, v in fields.items()))
 
 
-def _step_losses(workdir: str) -> dict[int, float]:
-  losses = {}
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    for record in map(json.loads, f):
-      if record.get("kind") == "learner":
-        losses[int(record["step"])] = float(record["loss"])
-  return losses
-
-
 def _lags(workdir: str, steps: int) -> list[int]:
   """Per merge applied while the learner trained: the steps it had made since the merged offer."""
   path = os.path.join(workdir, "tape.jsonl")
@@ -107,7 +98,7 @@ def run_one(name: str, steps: int, timeout_s: float) -> dict:
     sys.stderr.write(s.get("log_tail", ""))
     return out
   lags = _lags(workdir, steps)
-  out.update(final_eval_loss=s["final_eval_loss"], step_losses=_step_losses(workdir),
+  out.update(final_eval_loss=s["final_eval_loss"], step_losses=framework_runs.step_losses(workdir),
              **{k: s[k] for k in _SUMMARY_KEYS if k in s})
   if lags:
     out["lag_steps"] = {"min": min(lags), "median": statistics.median(lags), "max": max(lags),
@@ -132,8 +123,8 @@ def compare(results: dict) -> None:
     both = sorted(set(r["step_losses"]) & set(dp["step_losses"]))
     gaps = [abs(r["step_losses"][t] - dp["step_losses"][t]) for t in both]
     r["max_step_loss_gap"] = max(gaps, default=None)
-    r["first_step_differing"] = next(
-        (t for t in both if r["step_losses"][t] != dp["step_losses"][t]), None)
+    r["first_step_differing"] = framework_runs.first_step_differing(r["step_losses"],
+                                                                    dp["step_losses"])
 
 
 def write(out: str, results: dict, steps: int, argv: list[str], seconds: float) -> None:

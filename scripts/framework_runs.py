@@ -153,6 +153,20 @@ class _Tail:
     return records
 
 
+def step_losses(workdir: str, learner: int | None = None) -> dict[int, float]:
+  """{step: training loss} from a run's metrics.jsonl (the steps its config.log_every wrote: every
+  one at 1), of `learner` or of every learner record (a one-learner run)."""
+  return {int(r["step"]): float(r["loss"])
+          for r in _records(os.path.join(workdir, "metrics.jsonl"), "learner")
+          if learner is None or r.get("learner") == learner}
+
+
+def first_step_differing(losses: dict[int, float], reference: dict[int, float]) -> int | None:
+  """The first step both logged whose training losses differ; None when none does."""
+  return next((t for t in sorted(set(losses) & set(reference)) if losses[t] != reference[t]),
+              None)
+
+
 def _records(path: str, kind: str) -> list[dict[str, Any]]:
   if not os.path.exists(path):
     return []

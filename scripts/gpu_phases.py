@@ -113,21 +113,6 @@ def run(device: Device, budget: Budget, name: str, overrides: dict[str, Any], *,
   return figures
 
 
-def step_losses(workdir: str, name: str, learner: int = 0) -> dict[int, float]:
-  """{step: training loss} of one learner of the run `name`, from its metrics.jsonl (the steps
-  its config.log_every wrote: every one at 1)."""
-  losses = {}
-  try:
-    with open(os.path.join(workdir, name, "metrics.jsonl"), encoding="utf-8") as f:
-      for line in f:
-        record = json.loads(line)
-        if record.get("kind") == "learner" and record.get("learner") == learner:
-          losses[int(record["step"])] = float(record["loss"])
-  except (FileNotFoundError, json.JSONDecodeError):
-    pass
-  return losses
-
-
 def relative_gap(value: float | None, reference: float | None) -> float | None:
   """value / reference - 1, or None when either is missing."""
   if value is None or reference is None or not reference:

@@ -33,6 +33,7 @@ checks the plumbing, not the GPU. This process never imports JAX.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 # None imports JAX.
 import bench_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position
 import bench_one_device  # pylint: disable=g-import-not-at-top,wrong-import-position
+import framework_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import gpu_phases  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -107,8 +109,7 @@ def first_step_apart(losses: dict | None, reference: dict | None) -> int | None:
   every step both have is equal, None when either is missing."""
   if not losses or not reference:
     return None
-  apart = [step for step in sorted(set(losses) & set(reference)) if losses[step] != reference[step]]
-  return apart[0] if apart else 0
+  return framework_runs.first_step_differing(losses, reference) or 0
 
 
 def judge(phase: str, runs: dict) -> dict:
@@ -237,7 +238,8 @@ def main() -> None:
       figures = gpu_phases.run(device, budget, r["name"], r["overrides"], workdir=args.workdir,
                                weight=r["weight"], weight_after=after, env=r["env"])
       if r["phase"] == "a":
-        figures["step_losses"] = gpu_phases.step_losses(args.workdir, r["name"])
+        figures["step_losses"] = framework_runs.step_losses(
+            os.path.join(args.workdir, r["name"]), learner=0)
     done[r["name"]] = figures
     entry["runs"].append(figures)
     entry["verdict"] = judge(r["phase"], done)

@@ -73,8 +73,8 @@ def execute(run: run_lib.Run, *, progress: bool = True) -> dict[str, Any]:
     if run.supervisor is not None:
       run.supervisor.stop()
       _check_supervisor(run.supervisor)
-    train_seconds = time.perf_counter() - saver.train_started
     trained_at = time.perf_counter()
+    train_seconds = trained_at - saver.train_started
     flush_seconds = 0.0
     syncer = run.syncer  # the current one (a crashed syncer was replaced)
     if syncer is not None:
